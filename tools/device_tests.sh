@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Run the test suites on a GPU machine that has torch and cuda-bindings but no hatch/hatchling
+# (the device machine): the sources go on PYTHONPATH instead of being installed.
+# Usage: tools/device_tests.sh [pytest args...]   e.g. tools/device_tests.sh -m cuda
+# Boundary and packaging tests need the dev tools and are left to CI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="packages/bcg-core/src:packages/bcg-diffusion/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+exec python3 -m pytest -p no:cacheprovider tests/core tests/diffusion "$@"
