@@ -1,5 +1,45 @@
-"""bcg-core: breakable CUDA graphs for PyTorch."""
+"""bcg-core: breakable CUDA graphs for PyTorch.
 
+Capture a forward as CUDA graph segments separated by eager break points::
+
+    graph = BreakableCUDAGraph()
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        static_out = model(static_in)      # functions marked @eager_on_graph become breaks
+    static_in.copy_(new_input)
+    graph.replay()                         # static_out now holds the new result
+
+See DESIGN.md for the invariants (pool ownership, what a break may return, side streams).
+"""
+
+from bcg_core._breaks import break_graph, eager_on_graph
+from bcg_core._capture import BreakableCUDAGraphCapture
+from bcg_core._context import get_current_stream, is_breakable_capture_active
+from bcg_core._errors import (
+    BCG_FAILURE_HINT,
+    BreakableGraphError,
+    BreakOutputError,
+    CaptureError,
+    ReplayError,
+    UnjoinedStreamError,
+)
+from bcg_core._flag import enable_breakable_cuda_graph, is_in_breakable_cuda_graph
+from bcg_core._graph import BreakableCUDAGraph
 from bcg_core._version import __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "BCG_FAILURE_HINT",
+    "BreakOutputError",
+    "BreakableCUDAGraph",
+    "BreakableCUDAGraphCapture",
+    "BreakableGraphError",
+    "CaptureError",
+    "ReplayError",
+    "UnjoinedStreamError",
+    "__version__",
+    "break_graph",
+    "eager_on_graph",
+    "enable_breakable_cuda_graph",
+    "get_current_stream",
+    "is_breakable_capture_active",
+    "is_in_breakable_cuda_graph",
+]

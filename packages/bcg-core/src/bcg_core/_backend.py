@@ -1,0 +1,155 @@
+"""The graph backend seam: everything the capture logic asks of a device, in one place.
+
+Capture and replay code never touches ``torch.cuda`` directly for graph objects, pools, streams or
+capture status; it asks a :class:`GraphBackend`. The CUDA backend below wraps
+``torch.cuda.CUDAGraph``; a CPU graph backend (or ``torch.accelerator.Graph``) plugs in by
+implementing the same two protocols.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+
+from bcg_core._cudart import RUNTIME, CaptureInfo, CaptureStatus
+from bcg_core._errors import CaptureError
+
+
+class Segment(Protocol):
+    """One captured graph segment."""
+
+    @property
+    def empty(self) -> bool:
+        """True when the capture recorded no work (the segment is never launched)."""
+        ...
+
+    def capture_begin(self, pool: Any, capture_error_mode: str) -> None: ...
+
+    def capture_end(self) -> None: ...
+
+    def replay(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class GraphBackend(Protocol):
+    """Device services used by capture and replay."""
+
+    name: str
+
+    def check_available(self) -> None:
+        """Raise :class:`CaptureError` saying what to do when this backend cannot capture."""
+        ...
+
+    def new_segment(self) -> Segment: ...
+
+    def new_pool(self) -> Any: ...
+
+    def new_stream(self) -> Any: ...
+
+    def current_stream(self, device: Any = None) -> Any: ...
+
+    def stream_context(self, stream: Any) -> AbstractContextManager[Any]: ...
+
+    def capture_info(self, stream: Any) -> CaptureInfo: ...
+
+    def synchronize(self) -> None: ...
+
+    def release_pool_after_failure(self, pool: Any) -> None:
+        """Undo pool routing left behind by a capture that failed half-way."""
+        ...
+
+
+class CudaSegment:
+    """A ``torch.cuda.CUDAGraph`` that knows whether it captured anything."""
+
+    def __init__(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        self._empty = False
+        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self._empty
+
+    def capture_begin(self, pool: Any, capture_error_mode: str) -> None:
+        self._stream = torch.cuda.current_stream()
+        self._graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+
+    def capture_end(self) -> None:
+        assert self._stream is not None, "capture_end() without capture_begin()"
+        info = RUNTIME.capture_info(self._stream)
+        nodes = RUNTIME.graph_node_count(info.graph)
+        self._empty = nodes == 0
+        with warnings.catch_warnings():
+            # torch warns about empty graphs; an empty segment is expected between adjacent breaks.
+            if self._empty:
+                warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+            self._graph.capture_end()
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+    def reset(self) -> None:
+        self._graph.reset()
+
+
+class CudaBackend:
+    """Graph backend for CUDA devices (``torch.cuda.CUDAGraph`` segments, one private pool)."""
+
+    name = "cuda"
+
+    def check_available(self) -> None:
+        if not torch.cuda.is_available():
+            raise CaptureError(
+                "breakable CUDA graph capture needs a CUDA device, but torch.cuda.is_available() "
+                f"is False (torch {torch.__version__}). Run the model eagerly on this machine "
+                "(skip the capture block, or set BCG_DISABLE=1), or install a CUDA build of torch."
+            )
+
+    def new_segment(self) -> CudaSegment:
+        return CudaSegment()
+
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream()  # type: ignore[no-untyped-call]
+
+    def current_stream(self, device: Any = None) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(device)
+
+    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def capture_info(self, stream: Any) -> CaptureInfo:
+        return RUNTIME.capture_info(stream)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def release_pool_after_failure(self, pool: Any) -> None:
+        # torch's capture_end raises before it stops routing allocations to the pool when
+        # cudaStreamEndCapture fails; stop it here so later eager allocations use the normal heap.
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is None:
+            return
+        with contextlib.suppress(RuntimeError):  # torch already ended routing for this pool
+            end(torch.cuda.current_device(), pool)
+
+
+_CUDA = CudaBackend()
+
+
+def backend_for(device_type: str = "cuda") -> GraphBackend:
+    """The backend for a device type; only CUDA exists today."""
+    if device_type != "cuda":
+        raise CaptureError(f"no breakable graph backend for device type {device_type!r}")
+    return _CUDA
+
+
+__all__ = ["CaptureStatus", "CudaBackend", "GraphBackend", "Segment", "backend_for"]

@@ -1,0 +1,282 @@
+"""BreakableCUDAGraphCapture: the context manager that captures a forward into segments."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from contextvars import Token
+from types import TracebackType
+from typing import Any
+
+from bcg_core._aliases import alias_tree
+from bcg_core._backend import GraphBackend, Segment
+from bcg_core._context import active_capture, enter_capture, exit_capture
+from bcg_core._cudart import CaptureStatus
+from bcg_core._errors import BreakOutputError, CaptureError, UnjoinedStreamError
+from bcg_core._graph import BreakableCUDAGraph, BreakStep, SegmentStep, Step
+from bcg_core._outputs import Bridge, contains_device_tensor
+from bcg_core._streams import StreamTracker, stream_hooks
+
+logger = logging.getLogger("bcg_core")
+
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+
+def _debug() -> bool:
+    return os.environ.get("BCG_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+class CaptureState:
+    """Everything one capture in progress needs; reachable through :func:`active_capture`."""
+
+    def __init__(
+        self,
+        backend: GraphBackend,
+        stream: Any,
+        pool: Any,
+        mode: str,
+        barrier_fn: Callable[[], object] | None,
+        auto_join: bool,
+    ) -> None:
+        self.backend = backend
+        self.stream = stream
+        self.pool = pool
+        self.mode = mode
+        self.barrier_fn = barrier_fn
+        self.auto_join = auto_join
+        self.tracker = StreamTracker(stream)
+        self.steps: list[Step] = []
+        self.segment: Segment | None = None
+        self.in_break = False
+        self.where = "before the first segment"
+        self._segments_begun = 0
+        self._last_break: str | None = None
+
+    def begin_segment(self) -> None:
+        self._segments_begun += 1
+        after = f" (after break {self._last_break!r})" if self._last_break else ""
+        self.where = f"in graph segment {self._segments_begun}{after}"
+        if _debug():
+            logger.warning("bcg: capturing %s", self.where)
+        self.tracker.begin_segment()
+        segment = self.backend.new_segment()
+        segment.capture_begin(self.pool, self.mode)
+        self.segment = segment
+
+    def end_segment(self) -> None:
+        """Join forked side streams (or fail naming them) and end the segment's capture."""
+        unjoined = self.tracker.unjoined()
+        if unjoined and not self.auto_join:
+            names = ", ".join(repr(s) for s in unjoined)
+            raise UnjoinedStreamError(
+                f"{self.where}: side stream(s) {names} were forked from the capturing stream and "
+                "not joined back. Join them (capturing_stream.wait_stream(side)) before the "
+                "segment ends, or capture with auto_join=True."
+            )
+        self.tracker.join_all()
+        segment, self.segment = self.segment, None
+        assert segment is not None, "end_segment() outside a segment"
+        try:
+            segment.capture_end()
+        except RuntimeError as exc:
+            forked = self.tracker.forked_this_segment()
+            if forked and "unjoined" in str(exc).lower():
+                names = ", ".join(repr(s) for s in forked)
+                raise UnjoinedStreamError(
+                    f"{self.where}: CUDA reports work left unjoined on a side stream; streams "
+                    f"forked in this segment: {names}. Join them before the segment ends."
+                ) from exc
+            raise
+        if segment.empty:
+            segment.reset()
+        else:
+            self.steps.append(SegmentStep(segment))
+
+    def abort(self) -> None:
+        """End a segment left open by an exception, so the stream stops capturing."""
+        segment, self.segment = self.segment, None
+        if segment is None:
+            return
+        try:
+            segment.capture_end()
+        except RuntimeError:
+            self.backend.release_pool_after_failure(self.pool)
+        segment.reset()
+        if self.backend.capture_info(self.stream).status is not CaptureStatus.NONE:
+            raise CaptureError("the capturing stream could not be taken out of capture mode")
+
+    def split(self) -> None:
+        """An explicit split with no eager work (see :func:`break_graph`)."""
+        if self.in_break:
+            return
+        self.end_segment()
+        self.begin_segment()
+
+    def record_break(
+        self,
+        fn: Callable[..., Any],
+        stub: Callable[..., Any] | None,
+        strict: bool,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Run one break at capture: end the segment, barrier, run eagerly, record, resume."""
+        self.end_segment()
+        self._last_break = name
+        self.where = f"in break {name!r}"
+        if _debug():
+            logger.warning("bcg: running break %r at capture", name)
+        if self.barrier_fn is not None:
+            self.barrier_fn()
+        self.in_break = True
+        self.tracker.begin_break()
+        try:
+            output = (stub if stub is not None else fn)(*args, **kwargs)
+        finally:
+            side_streams = self.tracker.end_break()
+            self.in_break = False
+        for side in side_streams:
+            self.stream.wait_stream(side)
+        if strict and contains_device_tensor(output, frozenset({"cuda"})):
+            raise BreakOutputError(
+                f"break {name!r} is strict but returned a CUDA tensor. Write the result into a "
+                "buffer passed as an argument and return None, or drop strict=True to have the "
+                "output copied into a bridge buffer at every replay."
+            )
+        self.steps.append(
+            BreakStep(
+                name=name,
+                fn=fn,
+                args=alias_tree(args),
+                kwargs=alias_tree(kwargs),
+                bridge=Bridge(name, output),
+                side_streams=side_streams,
+            )
+        )
+        self.begin_segment()
+        return output
+
+
+class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCapture"]):
+    """Capture the enclosed code into ``cuda_graph`` as segments split at break points.
+
+    Like ``torch.cuda.graph``: work runs on ``stream`` (a new side stream when None) inside the
+    block, allocations come from the graph's pool (``pool`` overrides it), and
+    ``capture_error_mode`` ("global", "thread_local" or "relaxed") is passed to every segment.
+    ``barrier_fn`` runs before each break at capture, never at replay (e.g. a process-group
+    barrier so all ranks reach a collective break together). With ``auto_join`` a side stream
+    forked from the capturing stream and not joined is joined before its segment ends; without
+    it the capture fails with :class:`UnjoinedStreamError` naming the stream.
+
+    Failure modes: bad arguments raise ``TypeError``/``ValueError`` before anything starts; a
+    nested capture, a graph that already holds a capture (call ``reset()``), a stream that is
+    already capturing, or a machine without CUDA raise :class:`CaptureError`. An exception from
+    the captured code propagates unchanged (with a note saying where it was raised); in every
+    case the stream leaves capture mode, context variables are reset, stream hooks are removed,
+    and the graph is left in the failed state, ready for ``reset()`` and a new capture.
+    """
+
+    def __init__(
+        self,
+        cuda_graph: BreakableCUDAGraph,
+        pool: Any = None,
+        stream: Any = None,
+        capture_error_mode: str = "global",
+        barrier_fn: Callable[[], object] | None = None,
+        auto_join: bool = True,
+    ) -> None:
+        if not isinstance(cuda_graph, BreakableCUDAGraph):
+            raise TypeError(
+                f"BreakableCUDAGraphCapture needs a BreakableCUDAGraph, got "
+                f"{type(cuda_graph).__name__}; create one with BreakableCUDAGraph()"
+            )
+        if capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise ValueError(
+                f"capture_error_mode must be one of {CAPTURE_ERROR_MODES}, "
+                f"got {capture_error_mode!r}"
+            )
+        if barrier_fn is not None and not callable(barrier_fn):
+            raise TypeError(f"barrier_fn must be callable or None, got {barrier_fn!r}")
+        if not isinstance(auto_join, bool):
+            raise TypeError(f"auto_join must be a bool, got {auto_join!r}")
+        if stream is not None and not hasattr(stream, "cuda_stream"):
+            raise TypeError(f"stream must be a torch.cuda.Stream or None, got {stream!r}")
+        self.cuda_graph = cuda_graph
+        self._pool = pool
+        self._stream = stream
+        self._mode = capture_error_mode
+        self._barrier_fn = barrier_fn
+        self._auto_join = auto_join
+        self._state: CaptureState | None = None
+        self._token: Token[CaptureState | None] | None = None
+        self._exit_stack: ExitStack | None = None
+
+    def __enter__(self) -> BreakableCUDAGraphCapture:
+        if self._state is not None:
+            raise CaptureError("this BreakableCUDAGraphCapture is already in use")
+        if active_capture() is not None:
+            raise CaptureError(
+                "nested breakable capture: a BreakableCUDAGraphCapture is already active in this "
+                "context; capture graphs one after the other"
+            )
+        backend = self.cuda_graph._backend_impl
+        backend.check_available()
+        stream = self._stream if self._stream is not None else backend.new_stream()
+        if backend.capture_info(stream).status is not CaptureStatus.NONE:
+            raise CaptureError(
+                f"stream {stream!r} is already capturing (inside torch.cuda.graph?); "
+                "a breakable capture must start outside any other capture"
+            )
+        pool = self._pool if self._pool is not None else self.cuda_graph.pool()
+        self.cuda_graph._begin_capture()
+        stack = ExitStack()
+        try:
+            # As torch.cuda.graph: start from an idle device and a collected heap.
+            backend.synchronize()
+            gc.collect()
+            state = CaptureState(
+                backend, stream, pool, self._mode, self._barrier_fn, self._auto_join
+            )
+            stack.enter_context(backend.stream_context(stream))
+            stack.enter_context(stream_hooks())
+            token = enter_capture(state, stream.cuda_stream)
+            stack.callback(exit_capture, token, stream.cuda_stream)
+            state.begin_segment()
+        except BaseException:
+            stack.close()
+            self.cuda_graph._fail_capture(())
+            raise
+        self._state, self._exit_stack = state, stack
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        state, stack = self._state, self._exit_stack
+        assert state is not None and stack is not None
+        self._state = self._exit_stack = None
+        with stack:
+            if exc is None:
+                try:
+                    state.end_segment()
+                except BaseException as end_exc:
+                    self._fail(state, end_exc)
+                    raise
+                self.cuda_graph._finish_capture(state.steps)
+            else:
+                self._fail(state, exc)
+
+    def _fail(self, state: CaptureState, exc: BaseException) -> None:
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"bcg: raised {state.where} of a breakable CUDA graph capture")
+        try:
+            state.abort()
+        finally:
+            self.cuda_graph._fail_capture(state.steps)

@@ -1,0 +1,81 @@
+"""Who is capturing or replaying right now, and on which stream.
+
+Capture and replay state live in context variables, so threads and asyncio tasks never see each
+other's captures. One exception needs a lock: autograd runs backward on its own worker thread,
+which does not inherit the caller's context but does run on the stream the forward used. A small
+registry maps capturing streams to their capture so that a break point called from backward
+during capture still finds it.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextvars import ContextVar, Token
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from bcg_core._capture import CaptureState
+
+_CAPTURE: ContextVar[CaptureState | None] = ContextVar("bcg_core_capture", default=None)
+_REPLAY_STREAM: ContextVar[Any] = ContextVar("bcg_core_replay_stream", default=None)
+
+_registry_lock = threading.Lock()
+_by_stream: dict[int, CaptureState] = {}
+
+
+def active_capture() -> CaptureState | None:
+    """The capture running in this context, or on this thread's current stream, or None."""
+    state = _CAPTURE.get()
+    if state is not None or not _by_stream:
+        return state
+    try:
+        handle = torch.cuda.current_stream().cuda_stream
+    except (RuntimeError, AssertionError):
+        return None
+    with _registry_lock:
+        return _by_stream.get(handle)
+
+
+def enter_capture(state: CaptureState, stream_handle: int) -> Token[CaptureState | None]:
+    with _registry_lock:
+        _by_stream[stream_handle] = state
+    return _CAPTURE.set(state)
+
+
+def exit_capture(token: Token[CaptureState | None], stream_handle: int) -> None:
+    with _registry_lock:
+        _by_stream.pop(stream_handle, None)
+    _CAPTURE.reset(token)
+
+
+def enter_replay(stream: Any) -> Token[Any]:
+    return _REPLAY_STREAM.set(stream)
+
+
+def exit_replay(token: Token[Any]) -> None:
+    _REPLAY_STREAM.reset(token)
+
+
+def replay_stream() -> Any:
+    """The stream of the replay running in this context (None outside replay)."""
+    return _REPLAY_STREAM.get()
+
+
+def is_breakable_capture_active() -> bool:
+    """True while a breakable capture runs in this context: inside graph segments and inside the
+    eager breaks executed at capture. False during replay and outside any capture."""
+    return active_capture() is not None
+
+
+def get_current_stream(device: torch.device | str | int | None = None) -> Any:
+    """The stream work should go to: the capturing stream during a breakable capture, the replay
+    stream during a replay, else torch's current stream for ``device``."""
+    state = active_capture()
+    if state is not None:
+        return state.stream
+    replay = _REPLAY_STREAM.get()
+    if replay is not None:
+        return replay
+    return torch.cuda.current_stream(device)

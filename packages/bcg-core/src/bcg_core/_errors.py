@@ -1,0 +1,34 @@
+"""Exceptions raised by bcg_core, and the hint logged when a breakable capture fails."""
+
+from __future__ import annotations
+
+BCG_FAILURE_HINT = (
+    "bcg: a breakable CUDA graph capture or replay failed. To rule bcg out, run the same code "
+    "with BCG_DISABLE=1 (enable_breakable_cuda_graph() then leaves the flag off, so model code "
+    "takes its eager path) or with enable_breakable_cuda_graph(False). To find the failing break, "
+    "set BCG_DEBUG=1: every segment and break is logged (logger 'bcg_core') as it is captured, "
+    "and the exception carries a note naming the segment and the last break before it. Host syncs "
+    "(.item(), .tolist(), printing a tensor, data-dependent shapes) inside a graph segment must be "
+    "moved into a function decorated with @eager_on_graph."
+)
+
+
+class BreakableGraphError(RuntimeError):
+    """Base class for errors raised by bcg_core itself (never for errors raised by user code)."""
+
+
+class CaptureError(BreakableGraphError):
+    """A breakable capture could not start, or could not finish (nothing is left half-open)."""
+
+
+class UnjoinedStreamError(CaptureError):
+    """A side stream forked from the capturing stream was not joined back before a segment ended."""
+
+
+class BreakOutputError(BreakableGraphError):
+    """A break point returned something it may not: a CUDA tensor under ``strict=True``, or, at
+    replay, tensors whose number, shapes or dtypes differ from those it returned at capture."""
+
+
+class ReplayError(BreakableGraphError):
+    """``replay()`` was called on a graph that holds no successful capture, or during a capture."""

@@ -1,0 +1,190 @@
+"""BreakableCUDAGraph: the captured sequence of graph segments and eager break steps."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from bcg_core._backend import GraphBackend, Segment, backend_for
+from bcg_core._context import active_capture, enter_replay, exit_replay, replay_stream
+from bcg_core._errors import ReplayError
+from bcg_core._outputs import Bridge
+
+
+@dataclass(frozen=True)
+class SegmentStep:
+    """A captured, non-empty graph segment."""
+
+    segment: Segment
+    kind: Literal["graph"] = "graph"
+
+
+@dataclass(frozen=True)
+class BreakStep:
+    """An eager break: ``fn`` re-run at replay on the capture-time argument aliases, its output
+    copied into ``bridge``, then the side streams it used joined into the replay stream."""
+
+    name: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    bridge: Bridge
+    side_streams: tuple[Any, ...]
+    kind: Literal["break"] = "break"
+
+    def run(self) -> None:
+        self.bridge.update(self.fn(*self.args, **self.kwargs))
+        if self.side_streams:
+            stream = replay_stream()
+            for side in self.side_streams:
+                stream.wait_stream(side)
+
+
+Step = SegmentStep | BreakStep
+
+
+class _State(enum.Enum):
+    EMPTY = "empty"
+    CAPTURING = "capturing"
+    CAPTURED = "captured"
+    FAILED = "failed"
+
+
+class BreakableCUDAGraph:
+    """A forward captured as CUDA graph segments separated by eager break points.
+
+    Create it empty, capture into it with :class:`BreakableCUDAGraphCapture`, then call
+    :meth:`replay` as often as needed: segments are launched in capture order on the current
+    stream, and each break point runs eagerly between them.
+
+    Pool: every segment captures into one private memory pool, created lazily by :meth:`pool`.
+    Several graphs may share a pool (``BreakableCUDAGraph(pool=other.pool())``); as with
+    ``torch.cuda.graph``, graphs that share a pool must be replayed one at a time, never
+    concurrently. The pool's memory is returned when every graph captured into it is reset or
+    garbage collected.
+
+    Streams: replay uses ``torch.cuda.current_stream()`` at the time of the call; break points see
+    it through :func:`get_current_stream`.
+
+    Failure modes: :meth:`replay` raises :class:`ReplayError` before a successful capture, after a
+    failed one, and while a capture is active in the calling context. A failed capture leaves the
+    graph in the failed state; :meth:`reset` clears it for a new capture.
+    """
+
+    def __init__(self, pool: Any = None) -> None:
+        self._backend: GraphBackend = backend_for("cuda")
+        self._pool = pool
+        self._steps: tuple[Step, ...] = ()
+        self._plan: tuple[Callable[[], None], ...] = ()
+        self._state = _State.EMPTY
+        self._lock = threading.Lock()
+
+    def pool(self) -> Any:
+        """This graph's memory pool handle (created on first use); pass it to share the pool."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = self._backend.new_pool()
+            return self._pool
+
+    def replay(self) -> None:
+        """Launch every non-empty segment and run every break, in capture order."""
+        if self._state is not _State.CAPTURED:
+            raise ReplayError(self._not_ready())
+        if active_capture() is not None:
+            raise ReplayError(
+                "replay() was called while a breakable capture is active; replay after the "
+                "capture block has exited"
+            )
+        stream = self._backend.current_stream()
+        token = enter_replay(stream)
+        try:
+            for run in self._plan:
+                run()
+        finally:
+            exit_replay(token)
+
+    def reset(self) -> None:
+        """Drop all segments and breaks (and their bridges); keep the pool for the next capture."""
+        with self._lock:
+            if self._state is _State.CAPTURING:
+                raise ReplayError("reset() was called while this graph is being captured")
+            for step in self._steps:
+                if isinstance(step, SegmentStep):
+                    step.segment.reset()
+            self._steps = ()
+            self._plan = ()
+            self._state = _State.EMPTY
+
+    @property
+    def is_captured(self) -> bool:
+        """True after a successful capture, until :meth:`reset`."""
+        return self._state is _State.CAPTURED
+
+    @property
+    def num_segments(self) -> int:
+        """Graph segments launched per replay (empty segments are dropped at capture)."""
+        return sum(1 for s in self._steps if isinstance(s, SegmentStep))
+
+    @property
+    def num_breaks(self) -> int:
+        """Eager break steps run per replay."""
+        return sum(1 for s in self._steps if isinstance(s, BreakStep))
+
+    @property
+    def step_kinds(self) -> tuple[Literal["graph", "break"], ...]:
+        """The kind of each replay step, in order."""
+        return tuple(s.kind for s in self._steps)
+
+    @property
+    def break_names(self) -> tuple[str, ...]:
+        """The name of each break step, in order."""
+        return tuple(s.name for s in self._steps if isinstance(s, BreakStep))
+
+    def __repr__(self) -> str:
+        return (
+            f"BreakableCUDAGraph(state={self._state.value}, segments={self.num_segments}, "
+            f"breaks={self.num_breaks})"
+        )
+
+    # -- used by BreakableCUDAGraphCapture --------------------------------------------------
+
+    @property
+    def _backend_impl(self) -> GraphBackend:
+        return self._backend
+
+    def _begin_capture(self) -> None:
+        with self._lock:
+            if self._state is _State.CAPTURING:
+                raise ReplayError("this graph is already being captured")
+            if self._state is not _State.EMPTY:
+                raise ReplayError(
+                    f"this graph already holds a {self._state.value} capture; call reset() "
+                    "before capturing into it again"
+                )
+            self._state = _State.CAPTURING
+
+    def _finish_capture(self, steps: Sequence[Step]) -> None:
+        plan = [s.segment.replay if isinstance(s, SegmentStep) else s.run for s in steps]
+        with self._lock:
+            self._steps = tuple(steps)
+            self._plan = tuple(plan)
+            self._state = _State.CAPTURED
+
+    def _fail_capture(self, steps: Sequence[Step]) -> None:
+        for step in steps:
+            if isinstance(step, SegmentStep):
+                step.segment.reset()
+        with self._lock:
+            self._steps = ()
+            self._plan = ()
+            self._state = _State.FAILED
+
+    def _not_ready(self) -> str:
+        if self._state is _State.FAILED:
+            return "the last capture of this graph failed; call reset() and capture again"
+        if self._state is _State.CAPTURING:
+            return "replay() was called while this graph is being captured"
+        return "this graph holds no capture yet; capture it with BreakableCUDAGraphCapture first"

@@ -1,0 +1,299 @@
+"""Core semantics that need no GPU: flag, decorator, aliases, bridges, capture-info parsing,
+argument validation and clean failure on a machine without CUDA."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import gc
+import logging
+import threading
+import weakref
+from collections import namedtuple
+from typing import Any
+
+import pytest
+import torch
+
+import bcg_core
+from bcg_core import (
+    BCG_FAILURE_HINT,
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    BreakOutputError,
+    CaptureError,
+    ReplayError,
+    eager_on_graph,
+    enable_breakable_cuda_graph,
+    is_breakable_capture_active,
+    is_in_breakable_cuda_graph,
+)
+from bcg_core._aliases import alias_tensor, alias_tree  # noqa: PLC2701
+from bcg_core._cudart import (  # noqa: PLC2701
+    CaptureStatus,
+    CudaRuntimeError,
+    parse_capture_info,
+)
+from bcg_core._outputs import Bridge, tensor_leaves  # noqa: PLC2701
+from bcg_core._streams import hooks_installed, stream_hooks  # noqa: PLC2701
+
+# -- runtime flag ------------------------------------------------------------------------------
+
+
+def test_flag_nests_and_restores() -> None:
+    assert not is_in_breakable_cuda_graph()
+    with enable_breakable_cuda_graph():
+        assert is_in_breakable_cuda_graph()
+        with enable_breakable_cuda_graph(False):
+            assert not is_in_breakable_cuda_graph()
+        assert is_in_breakable_cuda_graph()
+    assert not is_in_breakable_cuda_graph()
+
+
+def test_flag_is_per_thread() -> None:
+    seen: list[bool] = []
+    with enable_breakable_cuda_graph():
+        t = threading.Thread(target=lambda: seen.append(is_in_breakable_cuda_graph()))
+        t.start()
+        t.join()
+        assert is_in_breakable_cuda_graph()
+    assert seen == [False]
+
+
+def test_flag_env_disable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BCG_DISABLE", "1")
+    with enable_breakable_cuda_graph():
+        assert not is_in_breakable_cuda_graph()
+
+
+def test_flag_logs_hint_and_reraises(caplog: pytest.LogCaptureFixture) -> None:
+    with (
+        caplog.at_level(logging.ERROR, logger="bcg_core"),
+        pytest.raises(ValueError, match="boom"),
+        enable_breakable_cuda_graph(),
+    ):
+        raise ValueError("boom")
+    assert BCG_FAILURE_HINT in caplog.text
+    assert "BCG_DISABLE=1" in BCG_FAILURE_HINT
+    assert not is_in_breakable_cuda_graph()
+
+
+def test_flag_rejects_non_bool() -> None:
+    with pytest.raises(TypeError, match="takes a bool"), enable_breakable_cuda_graph("yes"):  # type: ignore[arg-type]
+        pass
+
+
+# -- decorator ---------------------------------------------------------------------------------
+
+
+@eager_on_graph
+def _double(x: torch.Tensor) -> torch.Tensor:
+    """Doubles x."""
+    return x * 2
+
+
+class _Layer:
+    def __init__(self) -> None:
+        self.scale = 3.0
+
+    @eager_on_graph(strict=True, name="layer.apply")
+    def apply(self, x: torch.Tensor, *, out: torch.Tensor) -> None:
+        out.copy_(x * self.scale)
+
+
+def test_decorator_passes_through_outside_capture() -> None:
+    x = torch.arange(4.0)
+    assert torch.equal(_double(x), x * 2)
+    assert _double.__name__ == "_double"
+    assert _double.__doc__ == "Doubles x."
+    out = torch.empty(4)
+    _Layer().apply(x, out=out)
+    assert torch.equal(out, x * 3)
+    assert not is_breakable_capture_active()
+
+
+def test_decorator_rejects_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="capture_stub must be callable"):
+        eager_on_graph(capture_stub=3)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="decorates a callable"):
+        eager_on_graph()(5)  # type: ignore[type-var]
+
+
+def test_break_graph_is_noop_outside_capture() -> None:
+    bcg_core.break_graph()
+    assert not is_breakable_capture_active()
+
+
+# -- aliases -----------------------------------------------------------------------------------
+
+
+def test_alias_shares_memory_and_layout() -> None:
+    base = torch.arange(24.0).reshape(4, 6)
+    view = base[1:, ::2]
+    alias = alias_tensor(view)
+    assert alias.data_ptr() == view.data_ptr()
+    assert alias.shape == view.shape and alias.stride() == view.stride()
+    assert alias.storage_offset() == view.storage_offset()
+    view.add_(100)
+    assert torch.equal(alias, view)
+    assert alias_tensor(torch.empty(0, 3)).shape == (0, 3)
+
+
+def test_alias_does_not_keep_storage_alive() -> None:
+    t = torch.randn(1024)
+    ref = weakref.ref(t.untyped_storage())
+    alias = alias_tensor(t)
+    del t
+    gc.collect()
+    assert ref() is None  # the alias never owned the memory (it is not read after this)
+    del alias
+
+
+def test_alias_tree_keeps_structure_and_passes_cpu_through() -> None:
+    Pair = namedtuple("Pair", "a b")
+    x = torch.ones(2)
+    tree: Any = {"p": Pair(x, 3), "l": [x, "s"], "t": (x,)}
+    out = alias_tree(tree)
+    assert isinstance(out["p"], Pair) and out["p"].b == 3
+    assert out["p"].a is x and out["l"][0] is x and out["t"][0] is x  # CPU: unchanged
+    forced = alias_tree(tree, frozenset({"cpu"}))
+    assert forced["p"].a is not x and forced["p"].a.data_ptr() == x.data_ptr()
+    assert forced["l"][1] == "s"
+
+
+# -- bridges -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Out:
+    y: torch.Tensor
+    meta: dict[str, torch.Tensor]
+
+
+class _Plain:
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.a, self.b = a, b
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda v: v,
+        lambda v: (v, v + 1),
+        lambda v: {"x": v, "y": [v * 2, "tag"]},
+        lambda v: _Out(v, {"z": v - 1}),
+        lambda v: _Plain(v, v * v),
+    ],
+    ids=["tensor", "tuple", "dict", "dataclass", "object"],
+)
+def test_bridge_copies_fresh_outputs_into_capture_buffers(make: Any) -> None:
+    captured = make(torch.zeros(3))
+    bridge = Bridge("b", captured)
+    before = [t.data_ptr() for t in tensor_leaves(captured)]
+    for i in range(3):
+        fresh = make(torch.full((3,), float(i + 1)))
+        bridge.update(fresh)
+        for dst, src in zip(tensor_leaves(captured), tensor_leaves(fresh), strict=True):
+            assert torch.equal(dst, src)
+    assert [t.data_ptr() for t in tensor_leaves(captured)] == before
+
+
+def test_bridge_accepts_output_already_in_place() -> None:
+    buf = torch.zeros(4)
+    bridge = Bridge("inplace", (buf, buf[:2]))
+    buf.fill_(7)
+    bridge.update((buf, buf[:2]))
+    assert torch.equal(buf, torch.full((4,), 7.0))
+
+
+def test_bridge_rejects_structure_and_shape_changes() -> None:
+    bridge = Bridge("attn", (torch.zeros(2), torch.zeros(3)))
+    with pytest.raises(BreakOutputError, match="returned 1 tensors at replay but 2"):
+        bridge.update((torch.zeros(2),))
+    with pytest.raises(BreakOutputError, match=r"'attn'.*\(4,\).*\(3,\)"):
+        bridge.update((torch.zeros(2), torch.zeros(4)))
+
+
+# -- capture-info parsing (cuda-bindings 12.x and 13.x result tuples) ---------------------------
+
+
+class _Err(enum.IntEnum):
+    cudaSuccess = 0
+    cudaErrorStreamCaptureImplicit = 906
+
+
+class _Status(enum.IntEnum):
+    cudaStreamCaptureStatusNone = 0
+    cudaStreamCaptureStatusActive = 1
+    cudaStreamCaptureStatusInvalidated = 2
+
+
+def test_parse_capture_info_12x_and_13x() -> None:
+    graph = object()
+    v12 = (_Err.cudaSuccess, _Status.cudaStreamCaptureStatusActive, 7, graph, [], 0)
+    v13 = (_Err.cudaSuccess, _Status.cudaStreamCaptureStatusActive, 7, graph, [], [], 0)
+    for result in (v12, v13):
+        info = parse_capture_info(result)
+        assert info.status is CaptureStatus.ACTIVE
+        assert info.capture_id == 7 and info.graph is graph
+    idle = parse_capture_info(
+        (_Err.cudaSuccess, _Status.cudaStreamCaptureStatusNone, 0, None, [], 0)
+    )
+    assert idle.status is CaptureStatus.NONE and idle.graph is None
+    bad = parse_capture_info((0, 2, 0, None, [], [], 0))
+    assert bad.status is CaptureStatus.INVALIDATED
+
+
+def test_parse_capture_info_errors() -> None:
+    with pytest.raises(CudaRuntimeError, match="cudaErrorStreamCaptureImplicit"):
+        parse_capture_info((_Err.cudaErrorStreamCaptureImplicit, None, None, None, None, None))
+    with pytest.raises(TypeError, match=r"6-tuple of cuda-bindings 12\.x"):
+        parse_capture_info((0, 1, 2))
+
+
+# -- validation and the no-CUDA path -----------------------------------------------------------
+
+
+def test_capture_validates_arguments() -> None:
+    graph = BreakableCUDAGraph()
+    with pytest.raises(TypeError, match="needs a BreakableCUDAGraph"):
+        BreakableCUDAGraphCapture(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="capture_error_mode must be one of"):
+        BreakableCUDAGraphCapture(graph, capture_error_mode="local")
+    with pytest.raises(TypeError, match="barrier_fn must be callable"):
+        BreakableCUDAGraphCapture(graph, barrier_fn=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"stream must be a torch\.cuda\.Stream"):
+        BreakableCUDAGraphCapture(graph, stream="s")
+
+
+def test_replay_before_capture_says_what_to_do() -> None:
+    with pytest.raises(ReplayError, match="holds no capture yet"):
+        BreakableCUDAGraph().replay()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA path")
+def test_capture_without_cuda_fails_cleanly() -> None:
+    graph = BreakableCUDAGraph()
+    with (
+        pytest.raises(CaptureError, match=r"needs a CUDA device.*BCG_DISABLE=1"),
+        BreakableCUDAGraphCapture(graph),
+    ):
+        pass
+    assert not is_breakable_capture_active()
+    assert not hooks_installed()
+    assert not graph.is_captured
+    with pytest.raises(ReplayError, match="holds no capture yet"):
+        graph.replay()
+
+
+def test_stream_hooks_are_refcounted_and_removed() -> None:
+    record = torch.cuda.Event.record
+    with stream_hooks():
+        with stream_hooks():
+            assert torch.cuda.Event.record is not record
+        assert hooks_installed()
+    assert not hooks_installed()
+    assert torch.cuda.Event.record is record
+    with pytest.raises(KeyError), stream_hooks():
+        raise KeyError("x")
+    assert torch.cuda.Event.record is record
