@@ -7,4 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="packages/bcg-core/src:packages/bcg-diffusion/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-exec python3 -m pytest -p no:cacheprovider tests/core tests/diffusion "$@"
+suites=()
+for d in tests/core tests/diffusion; do [ -d "$d" ] && suites+=("$d"); done
+exec python3 -m pytest -p no:cacheprovider "${suites[@]}" "$@"

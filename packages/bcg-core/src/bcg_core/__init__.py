@@ -24,6 +24,8 @@ from bcg_core._errors import (
 )
 from bcg_core._flag import enable_breakable_cuda_graph, is_in_breakable_cuda_graph
 from bcg_core._graph import BreakableCUDAGraph
+from bcg_core._runner import BreakableGraphRunner, EntryStats, RunnerStats
+from bcg_core._signature import describe_difference, signature_of
 from bcg_core._version import __version__
 
 __all__ = [
@@ -32,14 +34,19 @@ __all__ = [
     "BreakableCUDAGraph",
     "BreakableCUDAGraphCapture",
     "BreakableGraphError",
+    "BreakableGraphRunner",
     "CaptureError",
+    "EntryStats",
     "ReplayError",
+    "RunnerStats",
     "UnjoinedStreamError",
     "__version__",
     "break_graph",
+    "describe_difference",
     "eager_on_graph",
     "enable_breakable_cuda_graph",
     "get_current_stream",
     "is_breakable_capture_active",
     "is_in_breakable_cuda_graph",
+    "signature_of",
 ]

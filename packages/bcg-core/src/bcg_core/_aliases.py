@@ -55,3 +55,10 @@ def alias_tree(obj: Any, device_types: frozenset[str] = frozenset({"cuda"})) -> 
         return alias_tensor(t) if t.device.type in device_types else t
 
     return map_tree(obj, leaf)
+
+
+def tree_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors :func:`map_tree` visits, in the same order."""
+    out: list[torch.Tensor] = []
+    map_tree(obj, out.append)
+    return out
