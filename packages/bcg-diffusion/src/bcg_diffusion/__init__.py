@@ -1,5 +1,32 @@
-"""bcg-diffusion: breakable CUDA graphs for diffusion transformers."""
+"""bcg-diffusion: breakable CUDA graphs for diffusion transformers.
 
+Attention modules become eager break points (:func:`install_breakable_attention`), everything
+else is captured, and :class:`DiTRunner` replays one graph per input signature, each replay under
+a fresh replay token. See DESIGN.md.
+"""
+
+from bcg_diffusion._attention import (
+    AttentionPatch,
+    install_breakable_attention,
+    is_breakable_attention_installed,
+    make_breakable_attention_forward,
+    uninstall_breakable_attention,
+)
+from bcg_diffusion._padding import bucket_for, pad_prompt
+from bcg_diffusion._runner import DiTRunner
+from bcg_diffusion._tokens import get_current_replay_token, replay_token_scope
 from bcg_diffusion._version import __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "AttentionPatch",
+    "DiTRunner",
+    "__version__",
+    "bucket_for",
+    "get_current_replay_token",
+    "install_breakable_attention",
+    "is_breakable_attention_installed",
+    "make_breakable_attention_forward",
+    "pad_prompt",
+    "replay_token_scope",
+    "uninstall_breakable_attention",
+]

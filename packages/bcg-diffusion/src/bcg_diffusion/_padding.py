@@ -1,0 +1,49 @@
+"""Prompt padding: variable-length text embeddings padded up to a fixed set of bucket lengths.
+
+Each distinct prompt length is a distinct signature, so serving arbitrary prompts would capture
+without end. Padding to the nearest bucket makes every prompt hit one of a few captured graphs;
+the mask marks the padding so cross-attention ignores it, and the output equals the unpadded
+eager output within floating-point tolerance.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+
+
+def bucket_for(length: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= ``length``; ValueError naming the largest bucket if none is."""
+    ordered = sorted(buckets)
+    if not ordered or any(b < 1 for b in ordered):
+        raise ValueError(f"buckets must be positive lengths, got {list(buckets)}")
+    i = bisect.bisect_left(ordered, length)
+    if i == len(ordered):
+        raise ValueError(
+            f"prompt length {length} exceeds the largest bucket {ordered[-1]}; add a larger "
+            "bucket or truncate the prompt"
+        )
+    return ordered[i]
+
+
+def pad_prompt(
+    embeds: torch.Tensor, mask: torch.Tensor | None, buckets: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad ``embeds`` ``[B, L, D]`` and its boolean ``mask`` ``[B, L]`` (all True when None) to
+    ``[B, bucket, D]`` and ``[B, bucket]``; padded positions are zeros with mask False."""
+    if embeds.dim() != 3:
+        raise ValueError(f"embeds must be [batch, length, dim], got shape {tuple(embeds.shape)}")
+    b, length, _ = embeds.shape
+    if mask is None:
+        mask = torch.ones(b, length, dtype=torch.bool, device=embeds.device)
+    elif mask.shape != (b, length):
+        raise ValueError(f"mask must be [batch, length] = {(b, length)}, got {tuple(mask.shape)}")
+    target = bucket_for(length, buckets)
+    pad = target - length
+    if pad == 0:
+        return embeds, mask.to(torch.bool)
+    padded = torch.nn.functional.pad(embeds, (0, 0, 0, pad))
+    padded_mask = torch.nn.functional.pad(mask.to(torch.bool), (0, pad), value=False)
+    return padded, padded_mask
