@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -32,6 +33,10 @@ class Segment(Protocol):
     def capture_end(self) -> None: ...
 
     def replay(self) -> None: ...
+
+    def launcher(self) -> Callable[[], None]:
+        """The cheapest callable that replays this segment (used by replay plans)."""
+        ...
 
     def reset(self) -> None: ...
 
@@ -93,6 +98,9 @@ class CudaSegment:
 
     def replay(self) -> None:
         self._graph.replay()
+
+    def launcher(self) -> Callable[[], None]:
+        return self._graph.replay
 
     def reset(self) -> None:
         self._graph.reset()
