@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from bcg_core._capture import CaptureState
 
 _CAPTURE: ContextVar[CaptureState | None] = ContextVar("bcg_core_capture", default=None)
-_REPLAY_STREAM: ContextVar[Any] = ContextVar("bcg_core_replay_stream", default=None)
 
 _registry_lock = threading.Lock()
 _by_stream: dict[int, CaptureState] = {}
@@ -50,19 +49,6 @@ def exit_capture(token: Token[CaptureState | None], stream_handle: int) -> None:
     _CAPTURE.reset(token)
 
 
-def enter_replay(stream: Any) -> Token[Any]:
-    return _REPLAY_STREAM.set(stream)
-
-
-def exit_replay(token: Token[Any]) -> None:
-    _REPLAY_STREAM.reset(token)
-
-
-def replay_stream() -> Any:
-    """The stream of the replay running in this context (None outside replay)."""
-    return _REPLAY_STREAM.get()
-
-
 def is_breakable_capture_active() -> bool:
     """True while a breakable capture runs in this context: inside graph segments and inside the
     eager breaks executed at capture. False during replay and outside any capture."""
@@ -75,7 +61,5 @@ def get_current_stream(device: torch.device | str | int | None = None) -> Any:
     state = active_capture()
     if state is not None:
         return state.stream
-    replay = _REPLAY_STREAM.get()
-    if replay is not None:
-        return replay
+    # Replay runs on the caller's current stream and never switches, so this is the replay stream.
     return torch.cuda.current_stream(device)

@@ -9,8 +9,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from bcg_core._backend import GraphBackend, Segment, backend_for
-from bcg_core._context import active_capture, enter_replay, exit_replay, replay_stream
+from bcg_core._context import active_capture
 from bcg_core._errors import ReplayError
 from bcg_core._outputs import Bridge
 
@@ -39,7 +41,7 @@ class BreakStep:
     def run(self) -> None:
         self.bridge.update(self.fn(*self.args, **self.kwargs))
         if self.side_streams:
-            stream = replay_stream()
+            stream = torch.cuda.current_stream()
             for side in self.side_streams:
                 stream.wait_stream(side)
 
@@ -107,13 +109,9 @@ class BreakableCUDAGraph:
                 "replay() was called while a breakable capture is active; replay after the "
                 "capture block has exited"
             )
-        stream = self._backend.current_stream()
-        token = enter_replay(stream)
-        try:
-            for run in self._plan:
-                run()
-        finally:
-            exit_replay(token)
+        # Replay never switches streams: the replay stream is simply torch's current stream.
+        for run in self._plan:
+            run()
 
     def reset(self) -> None:
         """Drop all segments and breaks (and their bridges); keep the pool for the next capture."""
