@@ -69,6 +69,11 @@ class GraphBackend(Protocol):
         ...
 
 
+def pool_id(pool: Any) -> Any:
+    """The allocator id of a pool given as a ``torch.cuda.MemPool`` or as a bare id tuple."""
+    return getattr(pool, "id", pool)
+
+
 class CudaSegment:
     """A ``torch.cuda.CUDAGraph`` that knows whether it captured anything."""
 
@@ -83,7 +88,7 @@ class CudaSegment:
 
     def capture_begin(self, pool: Any, capture_error_mode: str) -> None:
         self._stream = torch.cuda.current_stream()
-        self._graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+        self._graph.capture_begin(pool=pool_id(pool), capture_error_mode=capture_error_mode)
 
     def capture_end(self) -> None:
         assert self._stream is not None, "capture_end() without capture_begin()"
@@ -123,7 +128,11 @@ class CudaBackend:
         return CudaSegment()
 
     def new_pool(self) -> Any:
-        return torch.cuda.graph_pool_handle()
+        # A MemPool object, not a bare graph_pool_handle() id: the object holds a reference on
+        # the allocator's pool, so the pool survives reset() of every graph captured into it
+        # (torch frees a bare id's pool when its last graph is reset, and a later capture into
+        # that id then fails an allocator assertion).
+        return torch.cuda.MemPool()
 
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -147,7 +156,7 @@ class CudaBackend:
         if end is None:
             return
         with contextlib.suppress(RuntimeError):  # torch already ended routing for this pool
-            end(torch.cuda.current_device(), pool)
+            end(torch.cuda.current_device(), pool_id(pool))
 
 
 _CUDA = CudaBackend()
@@ -160,4 +169,4 @@ def backend_for(device_type: str = "cuda") -> GraphBackend:
     return _CUDA
 
 
-__all__ = ["CaptureStatus", "CudaBackend", "GraphBackend", "Segment", "backend_for"]
+__all__ = ["CaptureStatus", "CudaBackend", "GraphBackend", "Segment", "backend_for", "pool_id"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from contextvars import Token
@@ -49,7 +50,11 @@ class CaptureState:
         self.auto_join = auto_join
         self.tracker = StreamTracker(stream)
         self.steps: list[Step] = []
+        # Empty segments are not replayed but stay alive until the graph is reset: each holds a
+        # reference on the pool, and releasing one mid-capture could free a bare-id pool.
+        self.dropped: list[Segment] = []
         self.segment: Segment | None = None
+        self._segment_thread = 0
         self.in_break = False
         self.where = "before the first segment"
         self._segments_begun = 0
@@ -65,6 +70,18 @@ class CaptureState:
         segment = self.backend.new_segment()
         segment.capture_begin(self.pool, self.mode)
         self.segment = segment
+        self._segment_thread = threading.get_ident()
+
+    def _check_thread(self, what: str) -> None:
+        # CUDA lets only the thread that began a capture end it, unless the mode is "relaxed";
+        # autograd runs backward (and the breaks in it) on a worker thread.
+        if self.mode != "relaxed" and threading.get_ident() != self._segment_thread:
+            raise CaptureError(
+                f"{self.where}: {what} was reached on a different thread than the one that "
+                f"began the segment (autograd runs backward on its own thread). CUDA only allows "
+                f"that with capture_error_mode='relaxed'; capture with that mode to put breaks "
+                f"inside backward (current mode: {self.mode!r})."
+            )
 
     def end_segment(self) -> None:
         """Join forked side streams (or fail naming them) and end the segment's capture."""
@@ -91,7 +108,7 @@ class CaptureState:
                 ) from exc
             raise
         if segment.empty:
-            segment.reset()
+            self.dropped.append(segment)
         else:
             self.steps.append(SegmentStep(segment))
 
@@ -100,6 +117,7 @@ class CaptureState:
         segment, self.segment = self.segment, None
         if segment is None:
             return
+        self.tracker.join_all()  # an unjoined fork would make ending the capture fail too
         try:
             segment.capture_end()
         except RuntimeError:
@@ -112,6 +130,7 @@ class CaptureState:
         """An explicit split with no eager work (see :func:`break_graph`)."""
         if self.in_break:
             return
+        self._check_thread("break_graph()")
         self.end_segment()
         self.begin_segment()
 
@@ -125,6 +144,7 @@ class CaptureState:
         kwargs: dict[str, Any],
     ) -> Any:
         """Run one break at capture: end the segment, barrier, run eagerly, record, resume."""
+        self._check_thread(f"break {name!r}")
         self.end_segment()
         self._last_break = name
         self.where = f"in break {name!r}"
@@ -269,7 +289,7 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
                 except BaseException as end_exc:
                     self._fail(state, end_exc)
                     raise
-                self.cuda_graph._finish_capture(state.steps)
+                self.cuda_graph._finish_capture(state.steps, state.dropped)
             else:
                 self._fail(state, exc)
 
@@ -279,4 +299,4 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
         try:
             state.abort()
         finally:
-            self.cuda_graph._fail_capture(state.steps)
+            self.cuda_graph._fail_capture([*state.steps, *map(SegmentStep, state.dropped)])

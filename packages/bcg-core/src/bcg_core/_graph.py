@@ -86,10 +86,13 @@ class BreakableCUDAGraph:
     """
 
     def __init__(self, pool: Any = None) -> None:
+        # Segments are assigned before the pool so that, when the graph is collected, they
+        # release the pool before the pool object itself goes.
+        self._steps: tuple[Step, ...] = ()
+        self._dropped: tuple[Segment, ...] = ()
+        self._plan: tuple[Callable[[], Any], ...] = ()
         self._backend: GraphBackend = backend_for("cuda")
         self._pool = pool
-        self._steps: tuple[Step, ...] = ()
-        self._plan: tuple[Callable[[], Any], ...] = ()
         self._state = _State.EMPTY
         self._lock = threading.Lock()
 
@@ -121,7 +124,10 @@ class BreakableCUDAGraph:
             for step in self._steps:
                 if isinstance(step, SegmentStep):
                     step.segment.reset()
+            for segment in self._dropped:
+                segment.reset()
             self._steps = ()
+            self._dropped = ()
             self._plan = ()
             self._state = _State.EMPTY
 
@@ -173,10 +179,11 @@ class BreakableCUDAGraph:
                 )
             self._state = _State.CAPTURING
 
-    def _finish_capture(self, steps: Sequence[Step]) -> None:
+    def _finish_capture(self, steps: Sequence[Step], dropped: Sequence[Segment]) -> None:
         plan = [s.segment.launcher() if isinstance(s, SegmentStep) else s.launcher() for s in steps]
         with self._lock:
             self._steps = tuple(steps)
+            self._dropped = tuple(dropped)
             self._plan = tuple(plan)
             self._state = _State.CAPTURED
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from bcg_core._aliases import map_tree, tree_tensors
+from bcg_core._backend import pool_id
 from bcg_core._capture import BreakableCUDAGraphCapture
 from bcg_core._flag import enable_breakable_cuda_graph
 from bcg_core._graph import BreakableCUDAGraph
@@ -68,7 +69,9 @@ def _pool_bytes(pool: Any) -> int | None:
     except (RuntimeError, AttributeError):
         return None
     return sum(
-        int(s["total_size"]) for s in segments if tuple(s.get("segment_pool_id", ())) == pool
+        int(s["total_size"])
+        for s in segments
+        if tuple(s.get("segment_pool_id", ())) == tuple(pool_id(pool))
     )
 
 
