@@ -52,7 +52,8 @@ class GraphBackend(Protocol):
 
     def new_segment(self) -> Segment: ...
 
-    def new_pool(self) -> Any: ...
+    def new_pool(self) -> CudaPool:
+        return CudaPool()
 
     def new_stream(self) -> Any: ...
 
@@ -70,8 +71,33 @@ class GraphBackend(Protocol):
 
 
 def pool_id(pool: Any) -> Any:
-    """The allocator id of a pool given as a ``torch.cuda.MemPool`` or as a bare id tuple."""
+    """The allocator id of a pool given as a :class:`CudaPool` (or anything with ``.id``, such
+    as ``torch.cuda.MemPool``) or as a bare id tuple from ``torch.cuda.graph_pool_handle()``."""
     return getattr(pool, "id", pool)
+
+
+class CudaPool:
+    """A graph memory pool that stays valid while this object lives.
+
+    torch frees a pool (in both its device and its pinned-host allocator) when the last graph
+    captured into it is reset; capturing into that id again then fails an allocator assertion.
+    So the pool is anchored by an empty graph captured into it at creation and kept here: the
+    pool survives ``reset()`` of every graph that uses it, and is returned to the allocator when
+    this object (held by every graph that shares it) is collected.
+    """
+
+    def __init__(self) -> None:
+        self.id = torch.cuda.graph_pool_handle()
+        self._anchor = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+            self._anchor.capture_begin(pool=self.id)
+            self._anchor.capture_end()
+
+    def __repr__(self) -> str:
+        return f"CudaPool(id={self.id})"
 
 
 class CudaSegment:
@@ -88,7 +114,12 @@ class CudaSegment:
 
     def capture_begin(self, pool: Any, capture_error_mode: str) -> None:
         self._stream = torch.cuda.current_stream()
-        self._graph.capture_begin(pool=pool_id(pool), capture_error_mode=capture_error_mode)
+        try:
+            self._graph.capture_begin(pool=pool_id(pool), capture_error_mode=capture_error_mode)
+        except RuntimeError:
+            # torch may have registered the pool with the allocator before failing.
+            _end_pool_routing(pool)
+            raise
 
     def capture_end(self) -> None:
         assert self._stream is not None, "capture_end() without capture_begin()"
@@ -150,13 +181,18 @@ class CudaBackend:
         torch.cuda.synchronize()
 
     def release_pool_after_failure(self, pool: Any) -> None:
-        # torch's capture_end raises before it stops routing allocations to the pool when
-        # cudaStreamEndCapture fails; stop it here so later eager allocations use the normal heap.
-        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        if end is None:
-            return
-        with contextlib.suppress(RuntimeError):  # torch already ended routing for this pool
-            end(torch.cuda.current_device(), pool_id(pool))
+        _end_pool_routing(pool)
+
+
+def _end_pool_routing(pool: Any) -> None:
+    # torch's capture_end raises before it stops routing allocations to the pool when
+    # cudaStreamEndCapture fails; stop the device allocator's routing here. (The pinned-host
+    # allocator's routing cannot be stopped from Python: the graph moves to a fresh pool.)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None:
+        return
+    with contextlib.suppress(RuntimeError):  # torch already ended routing for this pool
+        end(torch.cuda.current_device(), pool_id(pool))
 
 
 _CUDA = CudaBackend()
@@ -169,4 +205,12 @@ def backend_for(device_type: str = "cuda") -> GraphBackend:
     return _CUDA
 
 
-__all__ = ["CaptureStatus", "CudaBackend", "GraphBackend", "Segment", "backend_for", "pool_id"]
+__all__ = [
+    "CaptureStatus",
+    "CudaBackend",
+    "CudaPool",
+    "GraphBackend",
+    "Segment",
+    "backend_for",
+    "pool_id",
+]

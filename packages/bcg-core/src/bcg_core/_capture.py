@@ -94,7 +94,7 @@ class CaptureState:
                 "segment ends, or capture with auto_join=True."
             )
         self.tracker.join_all()
-        segment, self.segment = self.segment, None
+        segment = self.segment
         assert segment is not None, "end_segment() outside a segment"
         try:
             segment.capture_end()
@@ -107,6 +107,8 @@ class CaptureState:
                     f"forked in this segment: {names}. Join them before the segment ends."
                 ) from exc
             raise
+        # Forget the segment only once it ended: abort() must still see a failed one.
+        self.segment = None
         if segment.empty:
             self.dropped.append(segment)
         else:
@@ -299,4 +301,6 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
         try:
             state.abort()
         finally:
-            self.cuda_graph._fail_capture([*state.steps, *map(SegmentStep, state.dropped)])
+            self.cuda_graph._fail_capture(
+                [*state.steps, *map(SegmentStep, state.dropped)], pool_compromised=True
+            )

@@ -13,7 +13,7 @@ import torch
 
 from bcg_core._backend import GraphBackend, Segment, backend_for
 from bcg_core._context import active_capture
-from bcg_core._errors import ReplayError
+from bcg_core._errors import CaptureError, ReplayError
 from bcg_core._outputs import Bridge
 
 
@@ -93,6 +93,7 @@ class BreakableCUDAGraph:
         self._plan: tuple[Callable[[], Any], ...] = ()
         self._backend: GraphBackend = backend_for("cuda")
         self._pool = pool
+        self._owns_pool = pool is None
         self._state = _State.EMPTY
         self._lock = threading.Lock()
 
@@ -171,9 +172,9 @@ class BreakableCUDAGraph:
     def _begin_capture(self) -> None:
         with self._lock:
             if self._state is _State.CAPTURING:
-                raise ReplayError("this graph is already being captured")
+                raise CaptureError("this graph is already being captured")
             if self._state is not _State.EMPTY:
-                raise ReplayError(
+                raise CaptureError(
                     f"this graph already holds a {self._state.value} capture; call reset() "
                     "before capturing into it again"
                 )
@@ -187,11 +188,15 @@ class BreakableCUDAGraph:
             self._plan = tuple(plan)
             self._state = _State.CAPTURED
 
-    def _fail_capture(self, steps: Sequence[Step]) -> None:
+    def _fail_capture(self, steps: Sequence[Step], pool_compromised: bool = False) -> None:
         for step in steps:
             if isinstance(step, SegmentStep):
                 step.segment.reset()
         with self._lock:
+            if pool_compromised and self._owns_pool:
+                # A capture that failed half-way can leave torch routing host allocations to
+                # the pool; the next capture starts in a fresh one.
+                self._pool = None
             self._steps = ()
             self._plan = ()
             self._state = _State.FAILED

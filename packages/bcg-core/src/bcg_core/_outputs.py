@@ -73,6 +73,11 @@ class Bridge:
         several tensors; nothing for tensors that already live at the bridge's addresses."""
         if fresh is self.output or not self._dst:
             return
+        # Copies into the bridge are data movement, never part of an autograd graph.
+        with torch.no_grad():
+            self._update(fresh)
+
+    def _update(self, fresh: Any) -> None:
         if isinstance(fresh, torch.Tensor) and len(self._dst) == 1:
             self._copy_one(self._dst[0], fresh, 0)
             return

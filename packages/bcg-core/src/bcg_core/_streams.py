@@ -3,10 +3,10 @@
 CUDA requires every stream forked from the capturing stream to be joined back before the capture
 ends, and a break point's side-stream work must finish before the next segment reads its results.
 Both need to know which streams were used, so while any breakable capture is active a few torch
-entry points are wrapped: ``Event.record``, ``Event.wait``, ``Stream.wait_event`` (which
-``Stream.wait_stream`` goes through) and ``torch.cuda.set_stream`` (which ``torch.cuda.stream``
-goes through). The wrappers call the original first and then report to the tracker of the capture
-found in the caller's context; outside a capture they only forward.
+entry points are wrapped: ``Event.record`` and ``Event.wait`` (which ``Stream.record_event``,
+``Stream.wait_event`` and ``Stream.wait_stream`` go through) and ``torch.cuda.set_stream`` (which
+``torch.cuda.stream`` goes through). The wrappers call the original first and then report to
+the tracker of the capture found in the caller's context; outside a capture they only forward.
 
 The wrappers are installed refcounted under a lock (several threads may capture at once) and
 always removed when the last capture exits, however it exits.
@@ -97,9 +97,8 @@ _originals: dict[str, Any] = {}
 def _install() -> None:
     record = torch.cuda.Event.record
     wait = torch.cuda.Event.wait
-    wait_event = torch.cuda.Stream.wait_event
     set_stream = torch.cuda.set_stream
-    _originals.update(record=record, wait=wait, wait_event=wait_event, set_stream=set_stream)
+    _originals.update(record=record, wait=wait, set_stream=set_stream)
 
     def event_record(self: Any, stream: Any = None) -> None:
         record(self, stream)
@@ -113,12 +112,6 @@ def _install() -> None:
         if tracker is not None:
             tracker.on_wait(stream if stream is not None else torch.cuda.current_stream(), self)
 
-    def stream_wait_event(self: Any, event: Any) -> None:
-        wait_event(self, event)
-        tracker = _tracker()
-        if tracker is not None:
-            tracker.on_wait(self, event)
-
     def set_stream_hook(stream: Any) -> None:
         set_stream(stream)
         tracker = _tracker()
@@ -127,14 +120,12 @@ def _install() -> None:
 
     torch.cuda.Event.record = event_record  # type: ignore[method-assign]
     torch.cuda.Event.wait = event_wait  # type: ignore[method-assign]
-    torch.cuda.Stream.wait_event = stream_wait_event  # type: ignore[method-assign]
     torch.cuda.set_stream = set_stream_hook
 
 
 def _uninstall() -> None:
     torch.cuda.Event.record = _originals["record"]  # type: ignore[method-assign]
     torch.cuda.Event.wait = _originals["wait"]  # type: ignore[method-assign]
-    torch.cuda.Stream.wait_event = _originals["wait_event"]  # type: ignore[method-assign]
     torch.cuda.set_stream = _originals["set_stream"]
     _originals.clear()
 
