@@ -183,11 +183,25 @@ class CaptureState:
         return output
 
 
+_thread_streams = threading.local()
+
+
+def _default_stream(backend: GraphBackend) -> Any:
+    """One capture stream per thread, backend and device, reused by every capture: a new stream
+    per capture would make cuBLAS allocate (and keep) a new workspace for each of them."""
+    cache: dict[tuple[str, Any], Any] = _thread_streams.__dict__.setdefault("streams", {})
+    key = (backend.name, backend.current_stream().device)
+    if key not in cache:
+        cache[key] = backend.new_stream()
+    return cache[key]
+
+
 class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCapture"]):
     """Capture the enclosed code into ``cuda_graph`` as segments split at break points.
 
-    Like ``torch.cuda.graph``: work runs on ``stream`` (a new side stream when None) inside the
-    block, allocations come from the graph's pool (``pool`` overrides it), and
+    Like ``torch.cuda.graph``: work runs on ``stream`` (when None, a side stream kept per thread
+    and device and reused by later captures) inside the block, allocations come from the
+    graph's pool (``pool`` overrides it), and
     ``capture_error_mode`` ("global", "thread_local" or "relaxed") is passed to every segment.
     ``barrier_fn`` runs before each break at capture, never at replay (e.g. a process-group
     barrier so all ranks reach a collective break together). With ``auto_join`` a side stream
@@ -247,7 +261,7 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
             )
         backend = self.cuda_graph._backend_impl
         backend.check_available()
-        stream = self._stream if self._stream is not None else backend.new_stream()
+        stream = self._stream if self._stream is not None else _default_stream(backend)
         if backend.capture_info(stream).status is not CaptureStatus.NONE:
             raise CaptureError(
                 f"stream {stream!r} is already capturing (inside torch.cuda.graph?); "

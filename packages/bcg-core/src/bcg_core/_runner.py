@@ -133,6 +133,7 @@ class BreakableGraphRunner:
         self._blocked: dict[Signature, str] = {}
         self._diagnosed: set[Signature] = set()
         self._no_cuda_noticed = False
+        self._side: torch.cuda.Stream | None = None
         self._counts = {"hits": 0, "misses": 0, "captures": 0, "failed": 0, "evictions": 0}
 
     # -- the module stand-in ------------------------------------------------------------------
@@ -239,13 +240,17 @@ class BreakableGraphRunner:
         static_kwargs = map_tree(_sorted(kwargs), make_static)
         graph = BreakableCUDAGraph()
         try:
-            side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            if self._side is None:
+                # One stream for every warm-up and capture: each new stream costs a cuBLAS
+                # workspace that is never returned.
+                self._side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            side = self._side
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side), enable_breakable_cuda_graph():
                 for _ in range(self.warmup_iters):
                     self.module(*static_args, **static_kwargs)
             torch.cuda.current_stream(self.device).wait_stream(side)
-            with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+            with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph, stream=side):
                 output = self.module(*static_args, **static_kwargs)
         except Exception as exc:
             self._counts["failed"] += 1
