@@ -102,13 +102,13 @@ class _CachingAttention(DiTSelfAttention):
     tokens: list[int | None] = []  # noqa: RUF012
     _cached_for: int | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         token = get_current_replay_token()
         type(self).tokens.append(token)
         if token is None or token != type(self)._cached_for:
             type(self).builds += 1
             type(self)._cached_for = token
-        return super().forward(x)
+        return super().forward(q, k, v)
 
 
 def test_replay_tokens_fresh_per_replay_and_shared_by_all_breaks(model: ToyDiT) -> None:

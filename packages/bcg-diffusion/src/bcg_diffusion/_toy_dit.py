@@ -44,29 +44,25 @@ def _merge(x: torch.Tensor) -> torch.Tensor:
 
 
 class DiTSelfAttention(nn.Module):
-    """Multi-head self-attention over image tokens: ``forward(x [B, N, D]) -> [B, N, D]``."""
+    """The attention operation over image tokens: ``forward(q, k, v)`` with ``[B, heads, N, d]``
+    inputs returns ``[B, heads, N, d]``. This is the module engines swap for varlen,
+    sparse or sequence-parallel kernels, and the one to make a break point; the projections
+    around it stay in the captured graph."""
 
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.out = nn.Linear(hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (_heads(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))
-        out: torch.Tensor = self.out(_merge(F.scaled_dot_product_attention(q, k, v)))
-        return out
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v)
 
 
 class DiTSelfAttentionLSE(DiTSelfAttention):
     """Like :class:`DiTSelfAttention` but returns ``(out, lse)``, the log-sum-exp per query."""
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        q, k, v = (_heads(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))
+    def forward(  # type: ignore[override]
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
         lse = torch.logsumexp(scores, dim=-1)
         attn = torch.exp(scores - lse[..., None]).to(v.dtype)
-        return self.out(_merge(attn @ v)), lse
+        return attn @ v, lse
 
 
 class DiTCrossAttention(nn.Module):
@@ -97,8 +93,11 @@ class DiTBlock(nn.Module):
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
         attention = DiTSelfAttentionLSE if cfg.lse_attention else DiTSelfAttention
+        self.heads = cfg.heads
         self.norm1 = nn.LayerNorm(cfg.hidden, elementwise_affine=False, eps=1e-6)
-        self.attn = attention(cfg.hidden, cfg.heads)
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.attn = attention()
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.norm2 = nn.LayerNorm(cfg.hidden, eps=1e-6)
         self.cross = DiTCrossAttention(cfg.hidden, cfg.heads)
         self.norm3 = nn.LayerNorm(cfg.hidden, elementwise_affine=False, eps=1e-6)
@@ -114,8 +113,10 @@ class DiTBlock(nn.Module):
     ) -> torch.Tensor:
         mod: torch.Tensor = self.ada(F.silu(c))
         s1, sc1, g1, s2, sc2, g2 = mod.chunk(6, dim=-1)
-        attn = self.attn(_modulate(self.norm1(x), s1, sc1))
-        attn_out: torch.Tensor = attn[0] if isinstance(attn, tuple) else attn
+        qkv: torch.Tensor = self.qkv(_modulate(self.norm1(x), s1, sc1))
+        q, k, v = (_heads(t, self.heads) for t in qkv.chunk(3, dim=-1))
+        attn = self.attn(q, k, v)
+        attn_out: torch.Tensor = self.proj(_merge(attn[0] if isinstance(attn, tuple) else attn))
         x = x + g1[:, None] * attn_out
         cross: torch.Tensor = self.cross(self.norm2(x), text, mask)
         x = x + cross
