@@ -13,6 +13,7 @@ See DESIGN.md for the invariants (pool ownership, what a break may return, side 
 
 from bcg_core._breaks import break_graph, eager_on_graph
 from bcg_core._capture import BreakableCUDAGraphCapture
+from bcg_core._check import check_capture
 from bcg_core._context import get_current_stream, is_breakable_capture_active
 from bcg_core._errors import (
     BCG_FAILURE_HINT,
@@ -42,6 +43,7 @@ __all__ = [
     "UnjoinedStreamError",
     "__version__",
     "break_graph",
+    "check_capture",
     "describe_difference",
     "eager_on_graph",
     "enable_breakable_cuda_graph",

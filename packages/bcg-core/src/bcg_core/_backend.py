@@ -2,8 +2,8 @@
 
 Capture and replay code never touches ``torch.cuda`` directly for graph objects, pools, streams or
 capture status; it asks a :class:`GraphBackend`. The CUDA backend below wraps
-``torch.cuda.CUDAGraph``; a CPU graph backend (or ``torch.accelerator.Graph``) plugs in by
-implementing the same two protocols.
+``torch.cuda.CUDAGraph``; the CPU graph backend (``_cpu_backend.py``) implements the same two
+protocols, and ``torch.accelerator.Graph`` could too.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from bcg_core._cpu_backend import CpuBackend
 from bcg_core._cudart import RUNTIME, CaptureInfo, CaptureStatus
 from bcg_core._errors import CaptureError
 
@@ -45,6 +46,8 @@ class GraphBackend(Protocol):
     """Device services used by capture and replay."""
 
     name: str
+    device_type: str
+    """The ``torch.device`` type of the tensors this backend captures ("cuda", "cpu")."""
 
     def check_available(self) -> None:
         """Raise :class:`CaptureError` saying what to do when this backend cannot capture."""
@@ -52,10 +55,9 @@ class GraphBackend(Protocol):
 
     def new_segment(self) -> Segment: ...
 
-    def new_pool(self) -> CudaPool:
-        return CudaPool()
+    def new_pool(self) -> Any: ...
 
-    def new_stream(self) -> Any: ...
+    def new_stream(self, device: Any = None) -> Any: ...
 
     def current_stream(self, device: Any = None) -> Any: ...
 
@@ -93,7 +95,8 @@ class CudaPool:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-            self._anchor.capture_begin(pool=self.id)
+            # relaxed: the anchor must not disturb (or be disturbed by) captures on other threads
+            self._anchor.capture_begin(pool=self.id, capture_error_mode="relaxed")
             self._anchor.capture_end()
 
     def __repr__(self) -> str:
@@ -146,6 +149,7 @@ class CudaBackend:
     """Graph backend for CUDA devices (``torch.cuda.CUDAGraph`` segments, one private pool)."""
 
     name = "cuda"
+    device_type = "cuda"
 
     def check_available(self) -> None:
         if not torch.cuda.is_available():
@@ -158,15 +162,11 @@ class CudaBackend:
     def new_segment(self) -> CudaSegment:
         return CudaSegment()
 
-    def new_pool(self) -> Any:
-        # A MemPool object, not a bare graph_pool_handle() id: the object holds a reference on
-        # the allocator's pool, so the pool survives reset() of every graph captured into it
-        # (torch frees a bare id's pool when its last graph is reset, and a later capture into
-        # that id then fails an allocator assertion).
-        return torch.cuda.MemPool()
+    def new_pool(self) -> CudaPool:
+        return CudaPool()
 
-    def new_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    def new_stream(self, device: Any = None) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
     def current_stream(self, device: Any = None) -> torch.cuda.Stream:
         return torch.cuda.current_stream(device)
@@ -195,14 +195,18 @@ def _end_pool_routing(pool: Any) -> None:
         end(torch.cuda.current_device(), pool_id(pool))
 
 
-_CUDA = CudaBackend()
+_BACKENDS: dict[str, GraphBackend] = {"cuda": CudaBackend(), "cpu": CpuBackend()}
 
 
 def backend_for(device_type: str = "cuda") -> GraphBackend:
-    """The backend for a device type; only CUDA exists today."""
-    if device_type != "cuda":
-        raise CaptureError(f"no breakable graph backend for device type {device_type!r}")
-    return _CUDA
+    """The backend for a device type: "cuda" or "cpu"."""
+    backend = _BACKENDS.get(device_type)
+    if backend is None:
+        raise CaptureError(
+            f"no breakable graph backend for device type {device_type!r} "
+            f"(there are: {', '.join(sorted(_BACKENDS))})"
+        )
+    return backend
 
 
 __all__ = [

@@ -163,11 +163,12 @@ class CaptureState:
             self.in_break = False
         for side in side_streams:
             self.stream.wait_stream(side)
-        if strict and contains_device_tensor(output, frozenset({"cuda"})):
+        device = self.backend.device_type
+        if strict and contains_device_tensor(output, frozenset({device})):
             raise BreakOutputError(
-                f"break {name!r} is strict but returned a CUDA tensor. Write the result into a "
-                "buffer passed as an argument and return None, or drop strict=True to have the "
-                "output copied into a bridge buffer at every replay."
+                f"break {name!r} is strict but returned a {device.upper()} tensor. Write the "
+                "result into a buffer passed as an argument and return None, or drop strict=True "
+                "to have the output copied into a bridge buffer at every replay."
             )
         self.steps.append(
             BreakStep(

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bcg_core._backend import backend_for
+
 if TYPE_CHECKING:
     from bcg_core._capture import CaptureState
 
@@ -62,4 +64,10 @@ def get_current_stream(device: torch.device | str | int | None = None) -> Any:
     if state is not None:
         return state.stream
     # Replay runs on the caller's current stream and never switches, so this is the replay stream.
-    return torch.cuda.current_stream(device)
+    try:
+        return torch.cuda.current_stream(device)
+    except (AssertionError, RuntimeError):
+        if torch.cuda.is_available():
+            raise
+        # No usable CUDA: CPU graphs replay on the CPU backend's current stream.
+        return backend_for("cpu").current_stream(device)

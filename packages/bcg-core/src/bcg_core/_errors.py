@@ -32,3 +32,18 @@ class BreakOutputError(BreakableGraphError):
 
 class ReplayError(BreakableGraphError):
     """``replay()`` was called on a graph that holds no successful capture, or during a capture."""
+
+
+class HostSyncError(CaptureError):
+    """A graph segment needed a value on the host (``.item()``, ``.tolist()``, printing a tensor,
+    a data-dependent output shape): what CUDA reports as "operation not permitted when stream is
+    capturing". Raised by the CPU graph backend, which enforces CUDA's capture rules; ``op`` names
+    the operation and ``location`` the user's source line (``file:line``) when known."""
+
+    def __init__(self, message: str, op: str, location: str | None) -> None:
+        super().__init__(message)
+        self.op = op
+        self.location = location
+
+    def __reduce__(self) -> tuple[type[HostSyncError], tuple[str, str, str | None]]:
+        return (type(self), (str(self), self.op, self.location))

@@ -56,6 +56,8 @@ class BreakStep:
 
 Step = SegmentStep | BreakStep
 
+GRAPH_BACKENDS = ("cuda", "cpu")
+
 
 class _State(enum.Enum):
     EMPTY = "empty"
@@ -80,18 +82,28 @@ class BreakableCUDAGraph:
     Streams: replay uses ``torch.cuda.current_stream()`` at the time of the call; break points see
     it through :func:`get_current_stream`.
 
+    Backend: ``backend="cuda"`` (the default) captures CUDA graphs; ``backend="cpu"`` captures
+    CPU tensors into recorded segments with CUDA's capture rules (host synchronisations inside a
+    segment raise), for running and checking breakable graphs without a GPU. Any other value
+    raises :class:`ValueError`.
+
     Failure modes: :meth:`replay` raises :class:`ReplayError` before a successful capture, after a
     failed one, and while a capture is active in the calling context. A failed capture leaves the
     graph in the failed state; :meth:`reset` clears it for a new capture.
     """
 
-    def __init__(self, pool: Any = None) -> None:
+    def __init__(self, pool: Any = None, *, backend: str = "cuda") -> None:
+        if backend not in GRAPH_BACKENDS:
+            raise ValueError(
+                f"backend must be 'cuda' or 'cpu' (the device whose graphs are captured), got "
+                f"{backend!r}"
+            )
         # Segments are assigned before the pool so that, when the graph is collected, they
         # release the pool before the pool object itself goes.
         self._steps: tuple[Step, ...] = ()
         self._dropped: tuple[Segment, ...] = ()
         self._plan: tuple[Callable[[], Any], ...] = ()
-        self._backend: GraphBackend = backend_for("cuda")
+        self._backend: GraphBackend = backend_for(backend)
         self._pool = pool
         self._owns_pool = pool is None
         self._state = _State.EMPTY
@@ -131,6 +143,11 @@ class BreakableCUDAGraph:
             self._dropped = ()
             self._plan = ()
             self._state = _State.EMPTY
+
+    @property
+    def backend(self) -> str:
+        """The backend this graph captures with: "cuda" or "cpu"."""
+        return self._backend.name
 
     @property
     def is_captured(self) -> bool:

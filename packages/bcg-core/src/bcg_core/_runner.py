@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from bcg_core._aliases import map_tree, tree_tensors
-from bcg_core._backend import pool_id
+from bcg_core._backend import backend_for, pool_id
 from bcg_core._capture import BreakableCUDAGraphCapture
 from bcg_core._flag import enable_breakable_cuda_graph
 from bcg_core._graph import BreakableCUDAGraph
@@ -95,9 +95,10 @@ class BreakableGraphRunner:
     Failure modes: a capture that raises blocks its signature (eager from then on) with a warning
     naming it; a capture with more than ``max_segments`` segments disables the runner (eager for
     everything, reason in :attr:`disabled_reason`); beyond ``max_entries`` the least recently used
-    entry is evicted and its memory freed. Without CUDA every call runs eagerly, with a one-time
-    notice. Attribute access falls through to the wrapped module. Calls are serialised by a lock:
-    static buffers are shared state.
+    entry is evicted and its memory freed. With ``device="cuda"`` and no CUDA device every call
+    runs eagerly, with a one-time notice; ``device="cpu"`` captures CPU graphs (the CPU backend of
+    :class:`BreakableCUDAGraph`, with CUDA's capture rules). Attribute access falls through to
+    the wrapped module. Calls are serialised by a lock: static buffers are shared state.
     """
 
     def __init__(
@@ -133,7 +134,9 @@ class BreakableGraphRunner:
         self._blocked: dict[Signature, str] = {}
         self._diagnosed: set[Signature] = set()
         self._no_cuda_noticed = False
-        self._side: torch.cuda.Stream | None = None
+        # device="cpu" captures CPU graphs; every other device goes to the CUDA backend.
+        self._graph_backend = backend_for("cpu" if self.device.type == "cpu" else "cuda")
+        self._side: Any = None
         self._counts = {"hits": 0, "misses": 0, "captures": 0, "failed": 0, "evictions": 0}
 
     # -- the module stand-in ------------------------------------------------------------------
@@ -238,18 +241,19 @@ class BreakableGraphRunner:
 
         static_args = map_tree(args, make_static)
         static_kwargs = map_tree(_sorted(kwargs), make_static)
-        graph = BreakableCUDAGraph()
+        backend = self._graph_backend
+        graph = BreakableCUDAGraph(backend=backend.name)
         try:
             if self._side is None:
                 # One stream for every warm-up and capture: each new stream costs a cuBLAS
                 # workspace that is never returned.
-                self._side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+                self._side = backend.new_stream(self.device)
             side = self._side
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), enable_breakable_cuda_graph():
+            side.wait_stream(backend.current_stream(self.device))
+            with backend.stream_context(side), enable_breakable_cuda_graph():
                 for _ in range(self.warmup_iters):
                     self.module(*static_args, **static_kwargs)
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            backend.current_stream(self.device).wait_stream(side)
             with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph, stream=side):
                 output = self.module(*static_args, **static_kwargs)
         except Exception as exc:
@@ -279,7 +283,7 @@ class BreakableGraphRunner:
             static_kwargs=static_kwargs,
             output=output,
             keep_alive=identity_objects(args, kwargs),
-            pool_bytes=_pool_bytes(graph.pool()),
+            pool_bytes=_pool_bytes(graph.pool()) if backend.device_type == "cuda" else None,
         )
         self._counts["captures"] += 1
         self._entries[sig] = entry

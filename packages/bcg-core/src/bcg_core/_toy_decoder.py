@@ -23,6 +23,7 @@ Everything runs on CPU as well; the CPU tests use :func:`tiny_config`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ from bcg_core import eager_on_graph, is_in_breakable_cuda_graph
 
 __all__ = [
     "Attention",
+    "AttentionFn",
     "DecoderBlock",
     "DecoderConfig",
     "RMSNorm",
@@ -213,6 +215,12 @@ def attention_core(
 
 _attention_break = eager_on_graph(name="toy_decoder.attention")(attention_core)
 
+AttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    torch.Tensor,
+]
+"""The signature of :func:`attention_core`, for :meth:`ToyDecoder.set_attention`."""
+
 
 class Attention(nn.Module):
     """Grouped-query self-attention of one layer for a decode step, with its KV cache.
@@ -237,6 +245,7 @@ class Attention(nn.Module):
         self.o_weight = _weight((config.hidden, q_width), out_std, generator, device, dtype)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.attention_override: AttentionFn | None = None
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -266,7 +275,10 @@ class Attention(nn.Module):
             raise ValueError(
                 f"batch {q.shape[0]} exceeds the KV cache's batch {self.k_cache.shape[0]}"
             )
-        core = _attention_break if is_in_breakable_cuda_graph() else attention_core
+        if self.attention_override is not None:
+            core = self.attention_override
+        else:
+            core = _attention_break if is_in_breakable_cuda_graph() else attention_core
         return core(q, k, v, self.k_cache, self.v_cache, positions)
 
 
@@ -376,6 +388,13 @@ class ToyDecoder(nn.Module):
             block.attn.v_cache = torch.zeros(shape, device=where, dtype=cfg.dtype)
             caches.append((block.attn.k_cache, block.attn.v_cache))
         return caches
+
+    def set_attention(self, fn: AttentionFn | None) -> None:
+        """Route every layer's attention core through ``fn`` (same signature as
+        :func:`attention_core`; e.g. a ``torch.compiler.disable`` wrapper, or another library's
+        break point); ``None`` restores the default routing."""
+        for block in self.blocks:
+            block.attn.attention_override = fn
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One decode step: logits ``[B, vocab]`` (model dtype) for ``tokens`` at ``positions``.

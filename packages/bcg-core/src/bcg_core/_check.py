@@ -1,0 +1,75 @@
+"""check_capture: would this callable capture as a breakable CUDA graph? Answered on the CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bcg_core._capture import BreakableCUDAGraphCapture
+from bcg_core._errors import BreakableGraphError, HostSyncError
+from bcg_core._flag import enable_breakable_cuda_graph
+from bcg_core._graph import BreakableCUDAGraph
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    """The outcome of :func:`check_capture`.
+
+    ``ok`` is True when the capture succeeded; ``segments`` and ``breaks`` are then the graph's
+    segment and break counts (both 0 when it failed). On failure ``error`` is the message (with
+    the note saying in which segment it was raised); for a host synchronisation ``op`` names the
+    operation (``aten._local_scalar_dense.default``, ``Tensor.tolist`` ...) and ``location`` the
+    user's source line as ``file:line``.
+    """
+
+    ok: bool
+    segments: int
+    breaks: int
+    error: str | None = None
+    op: str | None = None
+    location: str | None = None
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"captures cleanly, {self.segments} segments ({self.breaks} breaks)"
+        if self.op is not None:
+            where = f" at {self.location}" if self.location else ""
+            return (
+                f"host synchronisation inside a graph segment: {self.op}{where} (operation not "
+                "permitted when stream is capturing); move it into an @eager_on_graph break point"
+            )
+        return f"capture failed: {self.error}"
+
+
+def check_capture(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> CaptureReport:
+    """Capture ``fn(*args, **kwargs)`` once with the CPU graph backend and report the outcome.
+
+    The call runs under :func:`enable_breakable_cuda_graph` inside a capture into
+    ``BreakableCUDAGraph(backend="cpu")``, which enforces CUDA's capture rules: the first host
+    synchronisation inside a graph segment (``.item()``, ``.tolist()``, printing a tensor,
+    ``nonzero`` ...) ends the check with ``ok=False``, naming the operation and the source line.
+    Use CPU tensors (a model moved to the CPU). ``fn`` really runs once (breaks included), so it
+    may update caches or other state; the graph is discarded afterwards.
+
+    Errors that bcg_core raises (:class:`BreakableGraphError`, e.g. a strict break returning a
+    tensor) are reported with ``ok=False`` too; any other exception from ``fn`` propagates.
+    """
+    graph = BreakableCUDAGraph(backend="cpu")
+    failure: BreakableGraphError | None = None
+    with enable_breakable_cuda_graph():
+        try:
+            with BreakableCUDAGraphCapture(graph):
+                fn(*args, **kwargs)
+        except BreakableGraphError as exc:
+            failure = exc
+    try:
+        if failure is None:
+            return CaptureReport(ok=True, segments=graph.num_segments, breaks=graph.num_breaks)
+        notes = getattr(failure, "__notes__", ())
+        error = "; ".join([str(failure), *notes])
+        if isinstance(failure, HostSyncError):
+            return CaptureReport(False, 0, 0, error, failure.op, failure.location)
+        return CaptureReport(False, 0, 0, error)
+    finally:
+        graph.reset()

@@ -1,0 +1,206 @@
+"""The CPU graph backend: breakable graphs on CPU tensors, with CUDA graph capture rules.
+
+A CPU "graph" segment is the list of aten operations the segment issued, recorded at the
+dispatch level (see ``_recorder.py``), replayed by re-running them against the same storage.
+It implements the ``Segment`` and ``GraphBackend`` protocols of ``_backend.py``, so capture and
+replay code runs unchanged: ``BreakableCUDAGraph(backend="cpu")``, ``backend_for("cpu")`` and
+``BreakableGraphRunner(device="cpu")`` select it.
+
+Streams are stand-ins that carry what the capture logic asks of a stream: a ``cuda_stream``
+handle unique per stream object (negative, so it can never equal a CUDA stream handle in the
+capture registry), and ``wait_stream``/``wait_event``/``synchronize`` that do nothing (CPU work
+is synchronous). The current CPU stream is a context variable; ``stream_context`` sets it.
+
+Pools are tokens: the memory of a CPU graph is the set of tensors its segments hold (every
+tensor a replay step reads or writes), released when the segments are reset or collected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+from bcg_core._cudart import CaptureInfo, CaptureStatus
+from bcg_core._errors import CaptureError, HostSyncError
+from bcg_core._recorder import Recorder, Step
+
+_stream_ids = itertools.count(1)
+
+
+class CpuStream:
+    """A CPU stand-in for a CUDA stream: an identity, a capture slot and no-op waits."""
+
+    def __init__(self) -> None:
+        self.cuda_stream: int = -next(_stream_ids)
+        self.device = torch.device("cpu")
+        self.capturing: CpuSegment | None = None
+
+    def wait_stream(self, stream: Any) -> None:
+        """Nothing to wait for: CPU work is synchronous."""
+
+    def wait_event(self, event: Any) -> None:
+        """Nothing to wait for: CPU work is synchronous."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: CPU work is synchronous."""
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"<bcg_core CPU stream {-self.cuda_stream}>"
+
+
+_DEFAULT_STREAM = CpuStream()
+_CURRENT: ContextVar[CpuStream | None] = ContextVar("bcg_core_cpu_stream", default=None)
+
+
+def current_cpu_stream() -> CpuStream:
+    """The CPU stream set by the innermost ``stream_context`` in this context, else the default."""
+    return _CURRENT.get() or _DEFAULT_STREAM
+
+
+@contextlib.contextmanager
+def _use_stream(stream: CpuStream) -> Iterator[CpuStream]:
+    token = _CURRENT.set(stream)
+    try:
+        yield stream
+    finally:
+        _CURRENT.reset(token)
+
+
+def _as_cpu_stream(stream: Any) -> CpuStream:
+    if not isinstance(stream, CpuStream):
+        raise CaptureError(
+            f"the CPU graph backend captures on its own streams, got {stream!r}; leave "
+            "stream=None, or pass one made by backend_for('cpu').new_stream()"
+        )
+    return stream
+
+
+class CpuPool:
+    """A CPU graph pool: a token only (each segment holds the tensors it replays on)."""
+
+    def __repr__(self) -> str:
+        return f"<bcg_core CPU graph pool at {id(self):#x}>"
+
+
+class CpuSegment:
+    """One recorded CPU segment; ``replay`` re-runs its steps below autograd and autocast."""
+
+    def __init__(self) -> None:
+        self._recorder: Recorder | None = None
+        self._stream: CpuStream | None = None
+        self._steps: tuple[Step, ...] = ()
+        self._empty = False
+
+    @property
+    def empty(self) -> bool:
+        return self._empty
+
+    @property
+    def invalidated(self) -> bool:
+        """True while capturing after a host synchronisation (CUDA: capture invalidated)."""
+        return self._recorder is not None and self._recorder.error is not None
+
+    @property
+    def capture_id(self) -> int | None:
+        return None if self._recorder is None else self._recorder.capture_id
+
+    @property
+    def num_steps(self) -> int:
+        """Operations run per replay (views and allocations excluded)."""
+        return len(self._steps)
+
+    def capture_begin(self, pool: Any, capture_error_mode: str) -> None:
+        stream = current_cpu_stream()
+        if stream.capturing is not None:
+            raise CaptureError(f"{stream!r} is already capturing")
+        recorder = Recorder()
+        recorder.start()
+        self._recorder, self._stream = recorder, stream
+        stream.capturing = self
+
+    def capture_end(self) -> None:
+        recorder, stream = self._recorder, self._stream
+        if recorder is None or stream is None:
+            return  # not capturing (already ended, e.g. by a failed end and then an abort)
+        try:
+            recorder.stop()
+        finally:
+            self._recorder = None
+            stream.capturing = None
+        error = recorder.error
+        if error is not None:
+            raise HostSyncError(
+                f"operation failed due to previous error during capture: {error}",
+                error.op,
+                error.location,
+            ) from error
+        self._steps = tuple(recorder.steps)
+        self._empty = not self._steps
+
+    def replay(self) -> None:
+        self.launcher()()
+
+    def launcher(self) -> Callable[[], None]:
+        steps = self._steps
+        below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
+        no_autocast = torch._C._DisableAutocast
+
+        def launch() -> None:
+            with below_autograd(), no_autocast():
+                for step in steps:
+                    step()
+
+        return launch
+
+    def reset(self) -> None:
+        self._steps = ()
+
+
+class CpuBackend:
+    """Graph backend for CPU tensors (recorded aten segments; see the module docstring)."""
+
+    name = "cpu"
+    device_type = "cpu"
+
+    def check_available(self) -> None:
+        """Always available."""
+
+    def new_segment(self) -> CpuSegment:
+        return CpuSegment()
+
+    def new_pool(self) -> CpuPool:
+        return CpuPool()
+
+    def new_stream(self, device: Any = None) -> CpuStream:
+        return CpuStream()
+
+    def current_stream(self, device: Any = None) -> CpuStream:
+        return current_cpu_stream()
+
+    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
+        return _use_stream(_as_cpu_stream(stream))
+
+    def capture_info(self, stream: Any) -> CaptureInfo:
+        segment = _as_cpu_stream(stream).capturing
+        if segment is None:
+            return CaptureInfo(CaptureStatus.NONE)
+        status = CaptureStatus.INVALIDATED if segment.invalidated else CaptureStatus.ACTIVE
+        return CaptureInfo(status, segment.capture_id)
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: CPU work is synchronous."""
+
+    def release_pool_after_failure(self, pool: Any) -> None:
+        """Nothing is routed to CPU pools."""
+
+
+__all__ = ["CpuBackend", "CpuPool", "CpuSegment", "CpuStream", "current_cpu_stream"]

@@ -1,0 +1,465 @@
+"""Recording the aten operations of one CPU graph segment, and re-running them at replay.
+
+The CPU graph backend (``_cpu_backend.py``) captures a segment with a :class:`Recorder`, a
+``TorchDispatchMode`` that sees every aten operation the segment issues on the capturing thread,
+below autograd. Every operation runs at capture (so capture produces real values) and becomes
+zero or one *replay step*:
+
+* allocations (``empty``, ``empty_strided``, ...): nothing at replay; the memory stays put.
+* views, and ops whose every output lives in an input's storage without a write (checked by
+  storage pointer): metadata only, nothing at replay.
+* metadata mutations (``unsqueeze_``, ``t_``, ``resize_``, ``set_`` ...): nothing at replay; the
+  recorded tensors carry the metadata they had when each op ran.
+* in-place and ``out=`` ops (a mutable schema): run again on the same tensors.
+* functional ops: the fresh result is written into the storage captured as their output, through
+  the op's ``out=`` overload when there is one and it gave a bit-identical result at capture,
+  else by running the op and copying. Random ops always run the functional op, so they draw
+  fresh numbers at each replay from the same generator, as eager code would.
+
+Tensors are recorded as *snapshots*: tensors over the same storage with sizes, strides and offset
+frozen right after the op ran, so a later metadata mutation cannot change what an earlier step
+reads or writes, and a static input whose storage is replaced is not followed (as with CUDA
+graphs, which keep reading the captured address).
+
+Host synchronisations raise :class:`HostSyncError` at the offending call: ops that read a value
+on the host (``aten._local_scalar_dense``, which ``.item()``, ``bool()``, ``int()`` and
+``float()`` end in; ``aten.equal``), ops whose output shape depends on values (``nonzero``,
+``masked_select``, ``unique``, boolean-mask indexing ...), and three Python-level reads that
+dispatch nothing on CPU tensors: ``Tensor.tolist``, ``Tensor.numpy`` and ``Tensor.__repr__``
+(printing). The latter are caught by wrappers installed on ``torch.Tensor`` while any CPU
+segment is being captured (refcounted, always removed); they act only in the context that is
+capturing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar, Token
+from types import FrameType
+from typing import Any, NoReturn
+
+import torch
+import torch.utils._python_dispatch
+
+from bcg_core._errors import CaptureError, HostSyncError
+
+Step = Callable[[], object]
+
+_ATEN = torch.ops.aten
+
+
+def _packets(*names: str) -> frozenset[Any]:
+    """The aten overload packets of these names that exist in this torch build."""
+    return frozenset(getattr(_ATEN, n) for n in names if hasattr(_ATEN, n))
+
+
+_ALLOCATIONS = _packets(
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted"
+)
+_METADATA_MUTATIONS = _packets("resize_", "resize_as_", "set_")
+_RESIZES = _packets("resize_", "resize_as_")
+_VALUE_READS = _packets("_local_scalar_dense", "item", "equal", "is_nonzero")
+_DYNAMIC_SHAPES = _packets(
+    "nonzero",
+    "nonzero_numpy",
+    "argwhere",
+    "masked_select",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "unique_dim_consecutive",
+    "bincount",
+)
+_MASK_INDEXING = _packets("index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index")
+
+_READS_VALUE = (
+    "reads a tensor value on the host (.item(), bool(tensor), int(tensor), float(tensor), "
+    "torch.equal ...)"
+)
+_DYNAMIC_SHAPE = (
+    "has an output shape that depends on tensor values (nonzero, masked_select, unique ...), "
+    "which the host must wait for"
+)
+_MASK = "indexes with a boolean mask (x[mask], x[mask] = v), which needs nonzero(mask) on the host"
+_PYTHON_READS = {
+    "tolist": "copies the tensor's values to the host",
+    "numpy": "hands the tensor's values to NumPy on the host",
+    "__repr__": "prints or formats a tensor, which reads its values on the host",
+}
+
+
+def host_sync_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Why ``func`` would synchronise with the host inside a CUDA graph capture, or None."""
+    packet = func.overloadpacket
+    if packet in _MASK_INDEXING:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        masks = (
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+            for i in indices or ()
+        )
+        return _MASK if any(masks) else None
+    tags = func.tags
+    if packet is _ATEN.repeat_interleave:
+        dynamic = torch.Tag.dynamic_output_shape in tags and kwargs.get("output_size") is None
+        return _DYNAMIC_SHAPE if dynamic else None
+    if packet in _VALUE_READS or torch.Tag.data_dependent_output in tags:
+        return _READS_VALUE
+    if packet in _DYNAMIC_SHAPES or torch.Tag.dynamic_output_shape in tags:
+        return _DYNAMIC_SHAPE
+    return None
+
+
+_SKIPPED_DIRS = (
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    "<frozen ",
+)
+
+
+def user_location() -> str | None:
+    """``file:line`` of the innermost frame outside torch and bcg_core, or None."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_SKIPPED_DIRS):
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def host_sync_error(op: str, reason: str, location: str | None) -> HostSyncError:
+    where = f" at {location}" if location else ""
+    return HostSyncError(
+        f"operation not permitted when stream is capturing: {op} ({reason}){where}. Nothing "
+        "inside a graph segment may wait for the device: move the code that needs this value "
+        "on the host into a function decorated with @eager_on_graph (a break point, run eagerly "
+        "between graph segments), or keep the value on the device. (Detected by the CPU graph "
+        "backend, which enforces CUDA graph capture rules.)",
+        op,
+        location,
+    )
+
+
+# -- Python-level host reads (they dispatch nothing on CPU tensors) ------------------------------
+
+_ACTIVE: ContextVar[Recorder | None] = ContextVar("bcg_core_cpu_recorder", default=None)
+_hooks_lock = threading.Lock()
+_hooks_refcount = 0
+_INHERITED = object()
+_saved: dict[str, Any] = {}
+
+
+def _hook(name: str, reason: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    op = f"Tensor.{name}"
+
+    def hooked(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        recorder = _ACTIVE.get()
+        if recorder is not None:
+            recorder.host_sync(op, reason)
+        return original(self, *args, **kwargs)
+
+    hooked.__name__ = name
+    hooked.__qualname__ = op
+    hooked.__doc__ = original.__doc__
+    return hooked
+
+
+@contextlib.contextmanager
+def host_read_hooks() -> Iterator[None]:
+    """Wrap ``Tensor.tolist``/``numpy``/``__repr__`` for the enclosed block (refcounted)."""
+    global _hooks_refcount
+    with _hooks_lock:
+        if _hooks_refcount == 0:
+            for name, reason in _PYTHON_READS.items():
+                _saved[name] = torch.Tensor.__dict__.get(name, _INHERITED)
+                setattr(torch.Tensor, name, _hook(name, reason, getattr(torch.Tensor, name)))
+        _hooks_refcount += 1
+    try:
+        yield
+    finally:
+        with _hooks_lock:
+            _hooks_refcount -= 1
+            if _hooks_refcount == 0:
+                for name, own in _saved.items():
+                    if own is _INHERITED:
+                        delattr(torch.Tensor, name)
+                    else:
+                        setattr(torch.Tensor, name, own)
+                _saved.clear()
+
+
+# -- recording ------------------------------------------------------------------------------------
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or outputs (tensors, lists, tuples, dict values)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _tensors(item)]
+    return []
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _snapshot(obj: Any) -> Any:
+    """``obj`` with every tensor replaced by a tensor over the same storage whose sizes, strides
+    and offset are frozen now (call under ``_AutoDispatchBelowADInplaceOrView``)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.layout is not torch.strided:
+            return obj
+        try:
+            return obj.as_strided(obj.size(), obj.stride(), obj.storage_offset())
+        except RuntimeError:
+            return obj
+    if isinstance(obj, list):
+        return [_snapshot(x) for x in obj]
+    if isinstance(obj, tuple):
+        return tuple(_snapshot(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    return obj
+
+
+_INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.is_complex():
+            a, b = torch.view_as_real(a), torch.view_as_real(b)
+        view = _INT_VIEWS.get(a.element_size()) if a.dtype is not torch.bool else None
+        if view is None:
+            return torch.equal(a, b)
+        return torch.equal(a.view(view), b.view(view))
+    except RuntimeError:
+        return False
+
+
+_out_overloads: dict[Any, tuple[Any, tuple[str, ...]] | None] = {}
+
+
+def _out_overload(func: Any) -> tuple[Any, tuple[str, ...]] | None:
+    """The ``out=`` overload of a functional op (same arguments plus one out per return)."""
+    if func in _out_overloads:
+        return _out_overloads[func]
+    schema = func._schema
+    wanted = [(a.name, str(a.type), a.kwarg_only) for a in schema.arguments]
+    found: tuple[Any, tuple[str, ...]] | None = None
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        arguments = candidate._schema.arguments
+        outs = tuple(a.name for a in arguments if a.is_out)
+        if not outs or len(outs) != len(schema.returns):
+            continue
+        rest = [(a.name, str(a.type), a.kwarg_only) for a in arguments if not a.is_out]
+        if rest == wanted:
+            found = (candidate, outs)
+            break
+    _out_overloads[func] = found
+    return found
+
+
+def _like(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return torch.empty_strided(obj.size(), obj.stride(), dtype=obj.dtype, device=obj.device)
+    return [_like(x) for x in obj]
+
+
+def _out_variant_step(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+) -> Step | None:
+    """A replay step writing ``func``'s result into ``out`` through its ``out=`` overload, if that
+    overload exists and reproduces the capture-time result bit for bit."""
+    found = _out_overload(func)
+    if found is None:
+        return None
+    overload, names = found
+    returns = out if isinstance(out, tuple) else (out,)
+    if len(returns) != len(names):
+        return None
+    if not all(isinstance(r, (torch.Tensor, list)) for r in returns):
+        return None
+    scratch = [_like(r) for r in returns]
+    before = [(_storage_ptr(t), t.stride()) for t in _tensors(scratch)]
+    try:
+        overload._op(*args, **kwargs, **dict(zip(names, scratch, strict=True)))
+    except Exception:
+        return None
+    got, want = _tensors(scratch), _tensors(returns)
+    if before != [(_storage_ptr(t), t.stride()) for t in got]:
+        return None  # the out= overload resized its output: not the same computation
+    if len(got) != len(want) or not all(map(_bitwise_equal, got, want)):
+        return None
+    outs = {n: _snapshot(r) for n, r in zip(names, returns, strict=True)}
+    return functools.partial(overload._op, *args, **kwargs, **outs)
+
+
+def _run_and_copy(
+    op: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    single: bool,
+    fresh: list[int],
+    dsts: list[torch.Tensor],
+) -> Step:
+    """A replay step running ``op`` and copying its fresh outputs into the captured ones."""
+    if single:
+        (dst,) = dsts
+
+        def copy_one() -> None:
+            dst.copy_(op(*args, **kwargs))
+
+        return copy_one
+    pairs = tuple(zip(fresh, dsts, strict=True))
+
+    def copy_many() -> None:
+        result = _tensors(op(*args, **kwargs))
+        for i, d in pairs:
+            d.copy_(result[i])
+
+    return copy_many
+
+
+_capture_ids = itertools.count(1)
+
+
+class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Runs and records the aten ops of one segment; :attr:`steps` replays them in order.
+
+    :meth:`start` / :meth:`stop` bracket the segment (they need not be in one Python block).
+    After a host synchronisation the recorder is *invalidated* (as a CUDA capture would be):
+    :attr:`error` holds the first one and later ops run but are no longer recorded.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch would wrap __torch_dispatch__ in torch._disable_dynamo (importing dynamo on the
+        # first op and adding a frame per op); a recorder is never traced by torch.compile.
+        return False
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.capture_id = next(_capture_ids)
+        self.steps: list[Step] = []
+        self.error: HostSyncError | None = None
+        self._token: Token[Recorder | None] | None = None
+        self._hooks: contextlib.ExitStack | None = None
+
+    def start(self) -> None:
+        hooks = contextlib.ExitStack()
+        hooks.enter_context(host_read_hooks())
+        self._hooks = hooks
+        self._token = _ACTIVE.set(self)
+        self.__enter__()  # type: ignore[no-untyped-call]
+
+    def stop(self) -> None:
+        """Leave the dispatch-mode stack and remove the hooks, whatever else is on the stack.
+
+        A dispatch mode entered inside the segment and still active here (at a break, or at the
+        end of the capture) is lifted off, this recorder removed, the mode put back, and a
+        :class:`CaptureError` raised: leaving the recorder in place would record forever.
+        """
+        above: list[Any] = []
+        try:
+            while torch._C._len_torch_dispatch_stack() > 0:
+                top = torch._C._get_dispatch_stack_at(torch._C._len_torch_dispatch_stack() - 1)
+                if top is self:
+                    break
+                above.append(torch._C._pop_torch_dispatch_stack(None))
+            if torch._C._len_torch_dispatch_stack() > 0:
+                self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            for mode in reversed(above):
+                torch._C._push_on_torch_dispatch_stack(mode)
+        finally:
+            if self._token is not None:
+                try:
+                    _ACTIVE.reset(self._token)
+                except ValueError:  # ended in another context than it began in
+                    _ACTIVE.set(None)
+                self._token = None
+            if self._hooks is not None:
+                self._hooks.close()
+                self._hooks = None
+        if above:
+            names = ", ".join(type(m).__name__ for m in above)
+            raise CaptureError(
+                f"dispatch mode(s) {names} entered inside a graph segment were still active when "
+                "the segment ended (at a break point or at the end of the capture); exit them "
+                "inside the segment"
+            )
+
+    def host_sync(self, op: str, reason: str) -> NoReturn:
+        error = host_sync_error(op, reason, user_location())
+        if self.error is None:
+            self.error = error
+        raise error
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        reason = host_sync_reason(func, args, kwargs)
+        if reason is not None:
+            self.host_sync(str(func), reason)
+        packet = func.overloadpacket
+        before = None
+        if packet in _RESIZES and args:
+            before = (_storage_ptr(args[0]), args[0].untyped_storage().nbytes())
+        out = func(*args, **kwargs)
+        if self.error is not None:
+            return out
+        if before is not None and before[1] > 0 and _storage_ptr(args[0]) != before[0]:
+            raise CaptureError(
+                f"{func} moved a tensor to new memory inside a graph segment (it grew); values "
+                "written to the old memory would be lost at replay. Allocate the tensor at its "
+                "final size before the capture."
+            )
+        self._record(func, args, kwargs, out)
+        return out
+
+    def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        packet = func.overloadpacket
+        tags = func.tags
+        if packet in _ALLOCATIONS:
+            return  # uninitialised memory: nothing to compute at replay
+        if packet in _METADATA_MUTATIONS or torch.Tag.inplace_view in tags:
+            return  # metadata only; later steps hold snapshots with the new metadata
+        mutable: bool = func._schema.is_mutable
+        outs = _tensors(out)
+        inputs = {_storage_ptr(t) for t in _tensors((args, kwargs)) if t.untyped_storage().nbytes()}
+        fresh = [i for i, t in enumerate(outs) if t.numel() and _storage_ptr(t) not in inputs]
+        if not mutable and not fresh and (outs or not _tensors((args, kwargs))):
+            return  # a view or an alias of its inputs (checked by storage): metadata only
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            s_args, s_kwargs = _snapshot(args), _snapshot(kwargs)
+            if not fresh:
+                self.steps.append(functools.partial(func._op, *s_args, **s_kwargs))
+                return
+            seeded = torch.Tag.nondeterministic_seeded in tags
+            if not mutable and not seeded and len(fresh) == len(outs):
+                step = _out_variant_step(func, s_args, s_kwargs, out)
+                if step is not None:
+                    self.steps.append(step)
+                    return
+            dsts = [_snapshot(outs[i]) for i in fresh]
+        single = isinstance(out, torch.Tensor)
+        self.steps.append(_run_and_copy(func._op, s_args, s_kwargs, single, fresh, dsts))
