@@ -1,5 +1,8 @@
 """The CPU graph backend: breakable graphs on CPU tensors with CUDA graph semantics.
 
+The scenarios marked with the ``device`` fixture are shared: they run on the CPU backend
+everywhere and on CUDA graphs where a GPU is present, with the same assertions.
+
 Capture records each segment's aten operations; replay re-runs them against the captured
 storage. Every test checks replay against eager over several replays with new values written
 into the static inputs, or checks that a host synchronisation inside a segment is refused the
@@ -42,8 +45,13 @@ from bcg_core._toy_decoder import ToyDecoder, tiny_config  # noqa: PLC2701
 REPLAYS = 4
 
 
+def _graph() -> BreakableCUDAGraph:
+    """A graph for the device tensors are created on (see the ``device`` fixture)."""
+    return BreakableCUDAGraph(backend=torch.get_default_device().type)
+
+
 def _capture(fn: Callable[[], Any], graph: BreakableCUDAGraph | None = None) -> tuple[Any, Any]:
-    graph = graph if graph is not None else BreakableCUDAGraph(backend="cpu")
+    graph = graph if graph is not None else _graph()
     with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
         out = fn()
     return graph, out
@@ -58,6 +66,18 @@ def _line_of(marker: str) -> int:
     raise AssertionError(f"no line marked {marker!r}")
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Shared scenarios run on both backends: tensors are created on the parametrised device
+    (torch's default device), and ``_graph()`` picks the matching backend."""
+    param: str = request.param
+    torch.set_default_device(param)
+    try:
+        yield param
+    finally:
+        torch.set_default_device(None)
+
+
 @pytest.fixture()
 def x() -> torch.Tensor:
     return torch.randn(4, 8)
@@ -67,7 +87,7 @@ def _new_values(*static: torch.Tensor) -> Iterator[int]:
     gen = torch.Generator().manual_seed(123)
     for i in range(REPLAYS):
         for t in static:
-            t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype))
+            t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype, device="cpu"))
         yield i
 
 
@@ -103,6 +123,7 @@ def test_cpu_streams_are_distinct_and_never_collide_with_cuda_handles() -> None:
 # -- capture and replay equal eager --------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("device")
 def test_elementwise_and_matmul_chain(x: torch.Tensor) -> None:
     w = torch.randn(8, 16)
     b = torch.randn(16)
@@ -119,6 +140,7 @@ def test_elementwise_and_matmul_chain(x: torch.Tensor) -> None:
         assert torch.equal(out, f())
 
 
+@pytest.mark.usefixtures("device")
 def test_in_place_ops_and_views(x: torch.Tensor) -> None:
     acc = torch.zeros(4, 8)
 
@@ -143,6 +165,7 @@ def test_in_place_ops_and_views(x: torch.Tensor) -> None:
         assert out.untyped_storage().data_ptr() == out_storage
 
 
+@pytest.mark.usefixtures("device")
 def test_views_alias_captured_storage(x: torch.Tensor) -> None:
     def f() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         y = x + 1
@@ -157,6 +180,7 @@ def test_views_alias_captured_storage(x: torch.Tensor) -> None:
         assert torch.equal(strided, (x + 1)[1:, ::2].transpose(0, 1))
 
 
+@pytest.mark.usefixtures("device")
 def test_out_ops(x: torch.Tensor) -> None:
     buf = torch.empty(4, 8)
     mm_out = torch.empty(4, 4)
@@ -176,6 +200,7 @@ def test_out_ops(x: torch.Tensor) -> None:
         assert torch.equal(mm_out, expected @ x.t())
 
 
+@pytest.mark.usefixtures("device")
 def test_tensors_allocated_in_capture_stay_alive(x: torch.Tensor) -> None:
     def f() -> torch.Tensor:
         scale = torch.full((8,), 2.0)  # allocated inside the segment, dropped by the caller
@@ -191,6 +216,7 @@ def test_tensors_allocated_in_capture_stay_alive(x: torch.Tensor) -> None:
 # -- breaks -----------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("device")
 @pytest.mark.parametrize("kind", ["tensor", "tuple", "dict"])
 def test_break_in_the_middle(x: torch.Tensor, kind: str) -> None:
     calls: list[int] = []
@@ -254,6 +280,7 @@ def test_strict_break_rejects_cpu_tensor_and_accepts_argument_buffers(x: torch.T
         assert torch.equal(out, torch.sigmoid(x * 2) - 1)
 
 
+@pytest.mark.usefixtures("device")
 def test_capture_stub_runs_only_at_capture(x: torch.Tensor) -> None:
     real: list[int] = []
     stubbed: list[int] = []
@@ -275,6 +302,7 @@ def test_capture_stub_runs_only_at_capture(x: torch.Tensor) -> None:
     assert stubbed == [1] and len(real) == REPLAYS
 
 
+@pytest.mark.usefixtures("device")
 def test_barrier_fn_runs_before_each_break_at_capture_only(x: torch.Tensor) -> None:
     order: list[str] = []
 
@@ -288,7 +316,7 @@ def test_barrier_fn_runs_before_each_break_at_capture_only(x: torch.Tensor) -> N
         order.append("second")
         return h - 1
 
-    graph = BreakableCUDAGraph(backend="cpu")
+    graph = _graph()
     with (
         enable_breakable_cuda_graph(),
         BreakableCUDAGraphCapture(graph, barrier_fn=lambda: order.append("barrier")),
@@ -302,6 +330,7 @@ def test_barrier_fn_runs_before_each_break_at_capture_only(x: torch.Tensor) -> N
     assert order == ["first", "second"] * REPLAYS
 
 
+@pytest.mark.usefixtures("device")
 def test_break_graph_splits_and_empty_segments_are_dropped(x: torch.Tensor) -> None:
     @eager_on_graph
     def brk(h: torch.Tensor) -> torch.Tensor:
@@ -477,7 +506,7 @@ def test_get_current_stream_on_cpu(x: torch.Tensor) -> None:
 # -- runner -----------------------------------------------------------------------------------
 
 
-def test_runner_on_cpu_captures_and_replays(caplog: pytest.LogCaptureFixture) -> None:
+def test_runner_captures_and_replays(device: str, caplog: pytest.LogCaptureFixture) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
 
     @eager_on_graph
@@ -488,7 +517,7 @@ def test_runner_on_cpu_captures_and_replays(caplog: pytest.LogCaptureFixture) ->
         out: torch.Tensor = model(inp)
         return brk(out) * 2
 
-    runner = BreakableGraphRunner(forward, device="cpu")
+    runner = BreakableGraphRunner(forward, device=device)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="bcg_core"):
         first = runner.capture(torch.randn(3, 8))
         assert first.shape == (3, 4)
@@ -501,7 +530,8 @@ def test_runner_on_cpu_captures_and_replays(caplog: pytest.LogCaptureFixture) ->
     stats = runner.stats
     assert stats.captures == 1 and stats.hits == REPLAYS and stats.misses == 0
     (entry,) = stats.entries
-    assert entry.segments == 2 and entry.breaks == 1 and entry.pool_bytes is None
+    assert entry.segments == 2 and entry.breaks == 1
+    assert (entry.pool_bytes is None) == (device == "cpu")
 
 
 def test_runner_on_cpu_blocks_a_signature_whose_capture_syncs(
@@ -522,18 +552,18 @@ def test_runner_on_cpu_blocks_a_signature_whose_capture_syncs(
 # -- the toy decoder -----------------------------------------------------------------------------
 
 
-def test_toy_decoder_replay_is_bit_identical_to_eager() -> None:
+def test_toy_decoder_replay_is_bit_identical_to_eager(device: str) -> None:
     cfg = tiny_config(dtype=torch.float32)
     batch = 2
-    eager = ToyDecoder(cfg, seed=0, device="cpu")
-    graphed = ToyDecoder(cfg, seed=0, device="cpu")
+    eager = ToyDecoder(cfg, seed=0, device=device)
+    graphed = ToyDecoder(cfg, seed=0, device=device)
     eager.allocate_cache(batch)
     graphed.allocate_cache(batch)
     gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab, (batch,), generator=gen)
+    tokens = torch.randint(0, cfg.vocab, (batch,), generator=gen, device="cpu").to(device)
     positions = torch.zeros(batch, dtype=torch.long)
     with torch.no_grad():
-        graph = BreakableCUDAGraph(backend="cpu")
+        graph = _graph()
         with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
             logits = graphed(tokens, positions)
         assert graph.break_names == ("toy_decoder.attention",) * cfg.layers
@@ -544,7 +574,8 @@ def test_toy_decoder_replay_is_bit_identical_to_eager() -> None:
             block.attn.k_cache.zero_()
             block.attn.v_cache.zero_()
         for step in range(4):
-            new_tokens = torch.randint(0, cfg.vocab, (batch,), generator=gen)
+            new_tokens = torch.randint(0, cfg.vocab, (batch,), generator=gen, device="cpu")
+            new_tokens = new_tokens.to(device)
             new_positions = torch.full((batch,), step) + torch.arange(batch) % 2
             tokens.copy_(new_tokens)
             positions.copy_(new_positions)

@@ -183,3 +183,15 @@ def test_runner_without_cuda_runs_eagerly_with_one_notice(caplog: pytest.LogCapt
     assert runner.stats.captures == 0 and runner.proj is model.proj  # attribute proxying
     runner.close()
     assert not is_breakable_attention_installed(_Attn)
+
+
+def test_dit_workload_is_discovered_through_the_entry_point() -> None:
+    import importlib.metadata
+
+    from bcg_core._workloads import discover  # noqa: PLC2701
+
+    try:
+        importlib.metadata.distribution("bcg-diffusion")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("bcg-diffusion is on the path but not installed, so it has no entry points")
+    assert "dit" in discover()

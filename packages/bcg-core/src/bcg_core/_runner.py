@@ -63,7 +63,7 @@ def _sorted(kwargs: dict[str, Any]) -> dict[str, Any]:
     return dict(sorted(kwargs.items()))
 
 
-def _pool_bytes(pool: Any) -> int | None:
+def pool_bytes(pool: Any) -> int | None:
     try:
         segments: list[dict[str, Any]] = torch.cuda.memory.memory_snapshot()  # type: ignore[no-untyped-call]
     except (RuntimeError, AttributeError):
@@ -283,7 +283,7 @@ class BreakableGraphRunner:
             static_kwargs=static_kwargs,
             output=output,
             keep_alive=identity_objects(args, kwargs),
-            pool_bytes=_pool_bytes(graph.pool()) if backend.device_type == "cuda" else None,
+            pool_bytes=pool_bytes(graph.pool()) if backend.device_type == "cuda" else None,
         )
         self._counts["captures"] += 1
         self._entries[sig] = entry

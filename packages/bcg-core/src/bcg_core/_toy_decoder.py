@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bcg_core import eager_on_graph, is_in_breakable_cuda_graph
+from bcg_core._breaks import eager_on_graph
+from bcg_core._flag import is_in_breakable_cuda_graph
 
 __all__ = [
     "Attention",
@@ -137,7 +138,7 @@ def _weight(
 
     Drawing on the CPU makes the weights depend on the seed only, never on the device.
     """
-    values = torch.randn(shape, generator=generator, dtype=torch.float32).mul_(std)
+    values = torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu").mul_(std)
     return nn.Parameter(values.to(device=device, dtype=dtype), requires_grad=False)
 
 

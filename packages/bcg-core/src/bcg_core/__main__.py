@@ -1,0 +1,7 @@
+"""``python -m bcg_core`` is the ``bcg`` command (useful where the package is not installed)."""
+
+import sys
+
+from bcg_core._cli import main
+
+sys.exit(main())

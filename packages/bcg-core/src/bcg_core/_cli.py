@@ -1,0 +1,148 @@
+"""The ``bcg`` command: ``bcg demo``, ``bcg bench`` and ``bcg check``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bcg_core._bench import EAGER, BenchContext, Contender, Measurement
+from bcg_core._check import check_capture
+from bcg_core._report import print_table, progress, write_json, write_plot
+from bcg_core._toy_decoder import ToyDecoder, tiny_config
+from bcg_core._workloads import (
+    bcg_contender,
+    cli_decoder_config,
+    decode_step,
+    discover,
+    full_graph_contender,
+)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def demo(args: argparse.Namespace) -> int:
+    """Capture the toy decoder with attention as the break, check replay against eager, and
+    time eager / full graph / bcg. Without CUDA, the same on the CPU graph backend."""
+    device = _device()
+    if device.type == "cuda":
+        cfg = cli_decoder_config()
+        name = f"toy decoder ({cfg.layers} layers, hidden {cfg.hidden}, bf16), decode batch 1"
+    else:
+        print(
+            "bcg demo: no CUDA device here; showing capture and replay on the CPU graph backend "
+            "(CUDA capture rules, CPU speed)."
+        )
+        cfg = tiny_config(torch.float32)
+        name = f"toy decoder ({cfg.layers} layers, hidden {cfg.hidden}, fp32, CPU), batch 1"
+    ctx = BenchContext(device, smoke=True, repeats=args.repeats, steps=args.steps)
+    with torch.no_grad():
+        model = ToyDecoder(cfg, seed=0, device=device)
+        step = decode_step(model, batch=1)
+        reference = step().clone()
+        contenders = [
+            Contender(EAGER, step),
+            full_graph_contender(ctx, step, reference),
+            bcg_contender(ctx, step, reference),
+        ]
+        with progress("demo") as update:
+            ctx.progress = update
+            results = ctx.compare("demo", "batch=1", contenders)
+    print_table(f"bcg demo — {name}", results)
+    bcg = next(m for m in results if m.contender == "bcg")
+    eager = next(m for m in results if m.contender == EAGER)
+    if bcg.us_per_step is not None and eager.us_per_step is not None:
+        speedup = eager.us_per_step.median / bcg.us_per_step.median
+        print(
+            f"replay equals eager: {'yes' if bcg.correct else 'NO'}; bcg speed-up over eager "
+            f"{speedup:.2f}x with {bcg.segments} graph segments"
+        )
+    return 0 if bcg.correct else 1
+
+
+def bench(args: argparse.Namespace) -> int:
+    """Run the workloads (all, or those named) and report every contender side by side."""
+    workloads = discover()
+    names = args.workload or list(workloads)
+    unknown = [n for n in names if n not in workloads]
+    if unknown:
+        print(f"bcg bench: unknown workload(s) {unknown}; installed: {sorted(workloads)}")
+        return 2
+    device = _device()
+    repeats = args.repeats if args.repeats is not None else (3 if args.smoke else 10)
+    steps = args.steps if args.steps is not None else (3 if args.smoke else 20)
+    ctx = BenchContext(device, smoke=args.smoke, repeats=repeats, steps=steps)
+    results: list[Measurement] = []
+    with progress("bench") as update:
+        ctx.progress = update
+        for name in names:
+            results += workloads[name](ctx)
+    title = f"bcg bench{' --smoke' if args.smoke else ''} on {device.type}"
+    print_table(title, results)
+    if args.json:
+        write_json(args.json, results)
+        print(f"wrote {args.json}")
+    if args.plot:
+        if write_plot(args.plot, results):
+            print(f"wrote {args.plot}")
+        else:
+            print("--plot needs matplotlib: pip install 'bcg-core[bench]'")
+    wrong = [m for m in results if m.correct is False]
+    for m in wrong:
+        print(f"WRONG RESULT: {m.workload} {m.case} {m.contender} differs from eager")
+    return 1 if wrong else 0
+
+
+def _load(target: str) -> Callable[[], Any]:
+    module_name, _, attr = target.partition(":")
+    if not attr:
+        raise SystemExit(f"bcg check: expected MODULE:CALLABLE or FILE.py:CALLABLE, got {target!r}")
+    if module_name.endswith(".py"):
+        path = Path(module_name).resolve()
+        sys.path.insert(0, str(path.parent))
+        module_name = path.stem
+    fn = getattr(importlib.import_module(module_name), attr)
+    if not callable(fn):
+        raise SystemExit(f"bcg check: {target} is not callable")
+    return fn  # type: ignore[no-any-return]
+
+
+def check(args: argparse.Namespace) -> int:
+    """Run a zero-argument callable under CPU capture; report the first host sync or success."""
+    report = check_capture(_load(args.target))
+    print(f"{args.target}: {report}")
+    return 0 if report.ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bcg", description="Breakable CUDA graphs for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_demo = sub.add_parser("demo", help="capture the toy decoder and compare with eager")
+    p_demo.add_argument("--repeats", type=int, default=5)
+    p_demo.add_argument("--steps", type=int, default=10)
+    p_demo.set_defaults(func=demo)
+    p_bench = sub.add_parser("bench", help="benchmark workloads against eager, graphs and peers")
+    p_bench.add_argument("workload", nargs="*", help="workloads to run (default: all installed)")
+    p_bench.add_argument("--smoke", action="store_true", help="tiny sizes, few repeats (CI)")
+    p_bench.add_argument("--repeats", type=int, default=None)
+    p_bench.add_argument("--steps", type=int, default=None, help="steps per timed repeat")
+    p_bench.add_argument("--json", type=Path, default=None, help="write every figure as JSON")
+    p_bench.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart")
+    p_bench.set_defaults(func=bench)
+    p_check = sub.add_parser("check", help="does a callable capture? (CPU capture, no GPU)")
+    p_check.add_argument("target", help="MODULE:CALLABLE or FILE.py:CALLABLE, zero arguments")
+    p_check.set_defaults(func=check)
+    args = parser.parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Output of ``bcg demo`` / ``bcg bench``: a table, a progress line, JSON, and a PNG plot.
+
+rich (tables, progress bar) and matplotlib (plots) come with the ``bcg-core[bench]`` extra; in
+their absence the table is plain text and ``--plot`` says what to install.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bcg_core._bench import Measurement, Stats
+from bcg_core._version import __version__
+
+COLUMNS = (
+    "workload", "case", "contender", "us/step median [min-max]", "x full graph", "x eager",
+    "segments", "capture ms", "pool MB", "correct",
+)  # fmt: skip
+
+
+def environment() -> dict[str, Any]:
+    """Date, machine, torch, CUDA, GPU and driver (what every result file records)."""
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "bcg_core": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "driver": None,
+    }
+    if torch.cuda.is_available():
+        try:
+            query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+            done = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True)
+            env["driver"] = done.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            pass
+    return env
+
+
+def _stats(s: Stats | None, fmt: str) -> str:
+    if s is None:
+        return "—"
+    return f"{s.median:{fmt}} [{s.min:{fmt}}-{s.max:{fmt}}]"
+
+
+def _cell(value: float | int | bool | None, fmt: str = ".1f") -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return f"{value:{fmt}}" if isinstance(value, float) else str(value)
+
+
+def rows(measurements: Sequence[Measurement]) -> list[list[str]]:
+    out = []
+    for m in measurements:
+        if m.us_per_step is None:
+            timing = f"skipped: {m.skipped}"
+            ratios = ["—", "—"]
+        else:
+            timing = _stats(m.us_per_step, ".1f")
+            ratios = [_stats(m.ratio_to_full_graph, ".3f"), _stats(m.ratio_to_eager, ".3f")]
+        out.append(
+            [
+                m.workload,
+                m.case,
+                m.contender,
+                timing,
+                *ratios,
+                _cell(m.segments),
+                _cell(m.capture_ms),
+                _cell(m.pool_mb),
+                _cell(m.correct),
+            ]
+        )
+    return out
+
+
+def print_table(title: str, measurements: Sequence[Measurement]) -> None:
+    table_rows = rows(measurements)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(f"\n{title}")
+        widths = [max(len(c), *(len(r[i]) for r in table_rows)) for i, c in enumerate(COLUMNS)]
+        for line in (list(COLUMNS), ["-" * w for w in widths], *table_rows):
+            print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)))
+        return
+    table = Table(title=title)
+    for column in COLUMNS:
+        table.add_column(column)
+    for row in table_rows:
+        table.add_row(*row)
+    # Logs and CI are not terminals: give the table room instead of rich's 80 columns.
+    Console(width=None if sys.stdout.isatty() else 220).print(table)
+
+
+@contextmanager
+def progress(total_hint: str) -> Iterator[Callable[[str], None]]:
+    """A progress display for long runs; yields ``update(message)``."""
+    try:
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    except ImportError:
+
+        def plain(message: str) -> None:
+            print(f"\r[bcg] {message[:90]:<90}", end="", file=sys.stderr, flush=True)
+
+        yield plain
+        print(file=sys.stderr)
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, transient=True) as bar:
+        task = bar.add_task(total_hint)
+        yield lambda message: bar.update(task, description=message)
+
+
+def write_json(path: Path, measurements: Sequence[Measurement]) -> None:
+    data = {"environment": environment(), "measurements": [m.as_dict() for m in measurements]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+
+
+def write_plot(path: Path, measurements: Sequence[Measurement]) -> bool:
+    """A bar chart of speed-up over eager per case and contender; False without matplotlib."""
+    try:
+        import matplotlib  # type: ignore[import-not-found,unused-ignore]
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return False
+    timed = [m for m in measurements if m.ratio_to_eager is not None]
+    cases = list(dict.fromkeys(f"{m.workload}\n{m.case}" for m in timed))
+    contenders = list(dict.fromkeys(m.contender for m in timed))
+    width = 0.8 / max(len(contenders), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cases)), 4))
+    for i, name in enumerate(contenders):
+        xs, ys = [], []
+        for j, case in enumerate(cases):
+            for m in timed:
+                if m.contender == name and f"{m.workload}\n{m.case}" == case:
+                    assert m.ratio_to_eager is not None
+                    xs.append(j + i * width)
+                    ys.append(1.0 / m.ratio_to_eager.median)
+        ax.bar(xs, ys, width=width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], cases, fontsize=8)
+    ax.set_ylabel("speed-up over eager (x)")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    env = environment()
+    ax.set_title(f"bcg bench — {env['gpu'] or 'CPU'}, torch {env['torch']}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

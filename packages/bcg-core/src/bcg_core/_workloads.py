@@ -1,0 +1,258 @@
+"""Workloads of ``bcg bench``: discovered through the ``bcg.workloads`` entry-point group.
+
+A workload is a callable ``(BenchContext) -> list[Measurement]``. bcg-core registers the two
+below; bcg-diffusion registers its DiT workload the same way, so core never imports it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bcg_core._bench import EAGER, FULL_GRAPH, BenchContext, Contender, Measurement
+from bcg_core._capture import BreakableCUDAGraphCapture
+from bcg_core._flag import enable_breakable_cuda_graph
+from bcg_core._graph import BreakableCUDAGraph
+from bcg_core._runner import pool_bytes
+from bcg_core._toy_decoder import DecoderConfig, ToyDecoder, attention_core, tiny_config
+
+WORKLOAD_GROUP = "bcg.workloads"
+Workload = Callable[[BenchContext], list[Measurement]]
+
+PEER = "breakable-cuda-graphs"
+COMPILE = "torch.compile"
+
+
+def discover() -> dict[str, Workload]:
+    """Every installed workload by name (core's own first, then entry points)."""
+    found: dict[str, Workload] = {"decoder": decoder_workload, "break-overhead": break_overhead}
+    for ep in importlib.metadata.entry_points(group=WORKLOAD_GROUP):
+        if ep.name not in found:
+            found[ep.name] = ep.load()
+    return found
+
+
+def cli_decoder_config(dtype: torch.dtype = torch.bfloat16) -> DecoderConfig:
+    """A decoder big enough to be launch-bound like a real one, small enough to build fast."""
+    return DecoderConfig(
+        vocab=32000, hidden=1024, layers=16, heads=16, kv_heads=8, ffn=2816,
+        max_context=1024, dtype=dtype,
+    )  # fmt: skip
+
+
+def _warm(fn: Callable[[], object], device: torch.device, iters: int = 2) -> None:
+    """Warm up on a side stream (CUDA) before a capture, as torch's graph docs ask."""
+    if device.type != "cuda":
+        for _ in range(iters):
+            fn()
+        return
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(iters):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+
+
+def full_graph_contender(
+    ctx: BenchContext, step: Callable[[], torch.Tensor], reference: torch.Tensor
+) -> Contender:
+    """One plain ``torch.cuda.CUDAGraph`` of the whole step, checked against ``reference``
+    (CUDA only; the caller makes sure the step is fully capturable, e.g. with the flag off)."""
+    device = ctx.device
+    if device.type != "cuda":
+        return Contender(FULL_GRAPH, None, skipped="needs CUDA")
+    _warm(step, device)
+    graph = torch.cuda.CUDAGraph()
+
+    def capture() -> torch.Tensor:
+        with torch.cuda.graph(graph):
+            return step()
+
+    out, ms = ctx.timed(capture)
+    graph.replay()
+    assert isinstance(out, torch.Tensor)
+    return Contender(
+        FULL_GRAPH, graph.replay, capture_ms=ms, segments=1, correct=_equal(out, reference)
+    )
+
+
+def bcg_contender(
+    ctx: BenchContext, step: Callable[[], torch.Tensor], reference: torch.Tensor
+) -> Contender:
+    """A breakable graph of the step with the flag on (breaks at the model's break points)."""
+    device = ctx.device
+    graph = BreakableCUDAGraph(backend=device.type)
+    with enable_breakable_cuda_graph():
+        _warm(step, device)
+
+        def capture() -> torch.Tensor:
+            with BreakableCUDAGraphCapture(graph):
+                return step()
+
+        out, ms = ctx.timed(capture)
+    graph.replay()
+    assert isinstance(out, torch.Tensor)
+    pool = pool_bytes(graph.pool()) if device.type == "cuda" else None
+    return Contender(
+        "bcg",
+        graph.replay,
+        capture_ms=ms,
+        pool_mb=None if pool is None else pool / 2**20,
+        segments=graph.num_segments,
+        correct=_equal(out, reference),
+    )
+
+
+def compile_contender(
+    ctx: BenchContext, step: Callable[[], torch.Tensor], reference: torch.Tensor
+) -> Contender:
+    """``torch.compile(mode="reduce-overhead")`` of the step (the caller makes the break a
+    graph break); CUDA only, and not in ``--smoke`` (compiling takes minutes on small hosts)."""
+    if ctx.device.type != "cuda" or ctx.smoke:
+        return Contender(COMPILE, None, skipped="needs CUDA and a full run (not --smoke)")
+    compiled = torch.compile(step, mode="reduce-overhead")
+    for _ in range(3):
+        out = compiled()
+    ctx.synchronize()
+    return Contender(COMPILE, compiled, correct=_equal(out.clone(), reference))
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.float(), b.float()))
+
+
+def _peer() -> Any:
+    try:
+        import breakable_cuda_graphs  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    return breakable_cuda_graphs
+
+
+def decoder_workload(ctx: BenchContext) -> list[Measurement]:
+    """Decode steps of the toy decoder (attention is the break), batch 1, 8 and 32."""
+    cuda = ctx.device.type == "cuda"
+    if ctx.smoke:
+        cfg = tiny_config(torch.bfloat16 if cuda else torch.float32)
+        batches: tuple[int, ...] = (1, 2)
+    else:
+        cfg = cli_decoder_config()
+        batches = (1, 8, 32)
+    # Contenders that route attention differently get their own (identical) model, so a
+    # routing change never invalidates another contender's capture or compiled code.
+    model, compiled_model, peer_model = (ToyDecoder(cfg, seed=0, device=ctx.device) for _ in "abc")
+    compiled_model.set_attention(torch.compiler.disable(attention_core))  # type: ignore[no-untyped-call]
+    out: list[Measurement] = []
+    for batch in batches:
+        ctx.progress(f"decoder batch={batch}: building contenders")
+        with torch.no_grad():
+            step = decode_step(model, batch)
+            reference = step().clone()
+            contenders = [
+                Contender(EAGER, step),
+                full_graph_contender(ctx, step, reference),
+                bcg_contender(ctx, step, reference),
+                compile_contender(ctx, decode_step(compiled_model, batch), reference),
+                _peer_decoder(ctx, peer_model, decode_step(peer_model, batch), reference),
+            ]
+            out += ctx.compare("decoder", f"batch={batch}", contenders)
+    return out
+
+
+def decode_step(model: ToyDecoder, batch: int) -> Callable[[], torch.Tensor]:
+    """A decode step of ``batch`` sequences attending over the whole cache (fresh caches)."""
+    cfg = model.config
+    device = model.embed_weight.device
+    model.allocate_cache(batch)
+    tokens = torch.arange(batch, device=device) % cfg.vocab
+    positions = torch.full((batch,), cfg.max_context - 1, device=device)
+
+    def step() -> torch.Tensor:
+        logits: torch.Tensor = model(tokens, positions)
+        return logits
+
+    return step
+
+
+def _peer_decoder(
+    ctx: BenchContext, model: ToyDecoder, step: Callable[[], torch.Tensor], ref: torch.Tensor
+) -> Contender:
+    peer = _peer()
+    if peer is None or ctx.device.type != "cuda":
+        why = "needs CUDA" if peer is not None else f"not installed (pip install {PEER})"
+        return Contender(PEER, None, skipped=why)
+
+    # The peer's breaks may not return CUDA tensors: attention writes into a graph buffer.
+    @peer.no_graph  # type: ignore[untyped-decorator,unused-ignore]
+    def attention_into(out: torch.Tensor, *args: torch.Tensor) -> None:
+        out.copy_(attention_core(*args))
+
+    def attention(*args: torch.Tensor) -> torch.Tensor:
+        q = args[0]
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], device=q.device, dtype=q.dtype)
+        attention_into(out, *args)
+        return out
+
+    model.set_attention(attention)
+    graph = peer.BreakableCUDAGraph()
+    _warm(step, ctx.device)
+
+    def capture() -> torch.Tensor:
+        with peer.breakable_graph(graph):
+            return step()
+
+    result, ms = ctx.timed(capture)
+    graph.replay()
+    assert isinstance(result, torch.Tensor)
+    return Contender(PEER, graph.replay, capture_ms=ms, correct=_equal(result, ref))
+
+
+def break_overhead(ctx: BenchContext) -> list[Measurement]:
+    """K one-kernel segments split by K no-op breaks: bcg against K+1 raw graph launches."""
+    k = 8 if ctx.smoke else 64
+    x = torch.zeros(16, device=ctx.device)
+
+    def noop() -> None:
+        return None
+
+    from bcg_core._breaks import eager_on_graph
+
+    brk = eager_on_graph(name="noop")(noop)
+
+    def with_breaks() -> torch.Tensor:
+        for _ in range(k):
+            x.add_(1)
+            brk()
+        return x.add_(1)
+
+    def kernels_only() -> torch.Tensor:
+        for _ in range(k):
+            x.add_(1)
+        return x.add_(1)
+
+    contenders = [Contender(EAGER, with_breaks)]
+    if ctx.device.type == "cuda":
+        contenders.append(full_graph_contender(ctx, kernels_only, x))
+        raw = []
+        for _ in range(k + 1):
+            g = torch.cuda.CUDAGraph()
+            _warm(lambda: x.add_(1), ctx.device)
+            with torch.cuda.graph(g):
+                x.add_(1)
+            raw.append(g.replay)
+
+        def raw_launches() -> None:
+            for launch in raw:
+                launch()
+
+        contenders.append(Contender("raw_launches", raw_launches, segments=k + 1))
+    else:
+        contenders.append(Contender(FULL_GRAPH, None, skipped="needs CUDA"))
+    bcg = bcg_contender(ctx, with_breaks, x)
+    bcg.correct = None  # x keeps counting up; values are checked by the test suites instead
+    contenders.append(bcg)
+    return ctx.compare("break-overhead", f"breaks={k}", contenders)
