@@ -127,7 +127,7 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _peer() -> Any:
     try:
-        import breakable_cuda_graphs  # type: ignore[import-not-found,unused-ignore]
+        import breakable_cuda_graphs  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError:
         return None
     return breakable_cuda_graphs
