@@ -71,6 +71,14 @@ def device(request: pytest.FixtureRequest) -> Iterator[str]:
     """Shared scenarios run on both backends: tensors are created on the parametrised device
     (torch's default device), and ``_graph()`` picks the matching backend."""
     param: str = request.param
+    if param == "cuda":
+        # Library handles (cuBLAS, cuBLASLt, attention) must exist before a capture, as with
+        # any CUDA graph: creating one inside a capture fails.
+        for dtype in (torch.float32, torch.bfloat16):
+            a = torch.ones(1, 1, 8, 8, device="cuda", dtype=dtype)
+            (a @ a).sum()
+            torch.nn.functional.scaled_dot_product_attention(a, a, a)
+        torch.cuda.synchronize()
     torch.set_default_device(param)
     try:
         yield param

@@ -67,8 +67,9 @@ class GraphBackend(Protocol):
 
     def synchronize(self) -> None: ...
 
-    def release_pool_after_failure(self, pool: Any) -> None:
-        """Undo pool routing left behind by a capture that failed half-way."""
+    def recover_after_failure(self, pool: Any) -> None:
+        """Undo what a capture that failed half-way leaves behind in the framework (allocator
+        routing to the pool, random generators stuck in capture mode)."""
         ...
 
 
@@ -121,7 +122,7 @@ class CudaSegment:
             self._graph.capture_begin(pool=pool_id(pool), capture_error_mode=capture_error_mode)
         except RuntimeError:
             # torch may have registered the pool with the allocator before failing.
-            _end_pool_routing(pool)
+            _recover(pool)
             raise
 
     def capture_end(self) -> None:
@@ -180,8 +181,26 @@ class CudaBackend:
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
-    def release_pool_after_failure(self, pool: Any) -> None:
-        _end_pool_routing(pool)
+    def recover_after_failure(self, pool: Any) -> None:
+        _recover(pool)
+
+
+def _recover(pool: Any) -> None:
+    _end_pool_routing(pool)
+    _end_generator_capture()
+
+
+def _end_generator_capture() -> None:
+    # A capture that ends in an error leaves torch's CUDA generators in capture mode, and every
+    # later eager random op fails ("Offset increment outside graph capture"). Beginning and
+    # ending an empty capture takes them out of it; when they were fine it changes nothing.
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with contextlib.suppress(RuntimeError), warnings.catch_warnings(), torch.cuda.stream(side):
+        warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+        graph.capture_begin(capture_error_mode="relaxed")
+        graph.capture_end()
+    graph.reset()
 
 
 def _end_pool_routing(pool: Any) -> None:

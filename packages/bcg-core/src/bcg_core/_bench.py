@@ -75,7 +75,19 @@ class BenchContext:
     smoke: bool = False
     repeats: int = 10
     steps: int = 20
+    skip: frozenset[str] = frozenset()
     progress: Callable[[str], None] = field(default=lambda _msg: None)
+
+    def build(self, name: str, make: Callable[[], Contender]) -> Contender:
+        """``make()`` the contender unless ``--skip`` names it; a contender whose set-up raises
+        (it cannot capture here, a peer misbehaves) is reported as skipped, not fatal."""
+        if name in self.skip:
+            return Contender(name, None, skipped="excluded by --skip")
+        self.progress(f"building {name}")
+        try:
+            return make()
+        except Exception as exc:
+            return Contender(name, None, skipped=f"failed: {type(exc).__name__}: {exc}"[:160])
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

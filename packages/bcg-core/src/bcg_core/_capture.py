@@ -123,7 +123,7 @@ class CaptureState:
         try:
             segment.capture_end()
         except RuntimeError:
-            self.backend.release_pool_after_failure(self.pool)
+            self.backend.recover_after_failure(self.pool)
         segment.reset()
         if self.backend.capture_info(self.stream).status is not CaptureStatus.NONE:
             raise CaptureError("the capturing stream could not be taken out of capture mode")

@@ -78,7 +78,9 @@ def bench(args: argparse.Namespace) -> int:
     device = _device()
     repeats = args.repeats if args.repeats is not None else (3 if args.smoke else 10)
     steps = args.steps if args.steps is not None else (3 if args.smoke else 20)
-    ctx = BenchContext(device, smoke=args.smoke, repeats=repeats, steps=steps)
+    ctx = BenchContext(
+        device, smoke=args.smoke, repeats=repeats, steps=steps, skip=frozenset(args.skip)
+    )
     results: list[Measurement] = []
     with progress("bench") as update:
         ctx.progress = update
@@ -133,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench.add_argument("--smoke", action="store_true", help="tiny sizes, few repeats (CI)")
     p_bench.add_argument("--repeats", type=int, default=None)
     p_bench.add_argument("--steps", type=int, default=None, help="steps per timed repeat")
+    p_bench.add_argument(
+        "--skip", action="append", default=[], metavar="CONTENDER",
+        help="leave a contender out (repeatable), e.g. --skip torch.compile",
+    )  # fmt: skip
     p_bench.add_argument("--json", type=Path, default=None, help="write every figure as JSON")
     p_bench.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart")
     p_bench.set_defaults(func=bench)

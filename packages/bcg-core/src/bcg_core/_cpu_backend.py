@@ -199,7 +199,7 @@ class CpuBackend:
     def synchronize(self) -> None:
         """Nothing to wait for: CPU work is synchronous."""
 
-    def release_pool_after_failure(self, pool: Any) -> None:
+    def recover_after_failure(self, pool: Any) -> None:
         """Nothing is routed to CPU pools."""
 
 

@@ -118,7 +118,9 @@ def compile_contender(
     for _ in range(3):
         out = compiled()
     ctx.synchronize()
-    return Contender(COMPILE, compiled, correct=_equal(out.clone(), reference))
+    # Inductor fuses and reorders bf16 arithmetic, so it is checked within tolerance, not bitwise.
+    close = torch.allclose(out.float(), reference.float(), rtol=5e-2, atol=5e-2)
+    return Contender(COMPILE, compiled, correct=close)
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -148,19 +150,35 @@ def decoder_workload(ctx: BenchContext) -> list[Measurement]:
     compiled_model.set_attention(torch.compiler.disable(attention_core))  # type: ignore[no-untyped-call]
     out: list[Measurement] = []
     for batch in batches:
-        ctx.progress(f"decoder batch={batch}: building contenders")
-        with torch.no_grad():
-            step = decode_step(model, batch)
-            reference = step().clone()
-            contenders = [
-                Contender(EAGER, step),
-                full_graph_contender(ctx, step, reference),
-                bcg_contender(ctx, step, reference),
-                compile_contender(ctx, decode_step(compiled_model, batch), reference),
-                _peer_decoder(ctx, peer_model, decode_step(peer_model, batch), reference),
-            ]
-            out += ctx.compare("decoder", f"batch={batch}", contenders)
+        out += _decoder_case(ctx, model, compiled_model, peer_model, batch)
     return out
+
+
+def _decoder_case(
+    ctx: BenchContext,
+    model: ToyDecoder,
+    compiled_model: ToyDecoder,
+    peer_model: ToyDecoder,
+    batch: int,
+) -> list[Measurement]:
+    ctx.progress(f"decoder batch={batch}: building contenders")
+    with torch.no_grad():
+        step = decode_step(model, batch)
+        reference = step().clone()
+        contenders = [
+            Contender(EAGER, step),
+            ctx.build(FULL_GRAPH, lambda: full_graph_contender(ctx, step, reference)),
+            ctx.build("bcg", lambda: bcg_contender(ctx, step, reference)),
+            ctx.build(
+                COMPILE,
+                lambda: compile_contender(ctx, decode_step(compiled_model, batch), reference),
+            ),
+            ctx.build(
+                PEER,
+                lambda: _peer_decoder(ctx, peer_model, decode_step(peer_model, batch), reference),
+            ),
+        ]
+        return ctx.compare("decoder", f"batch={batch}", contenders)
 
 
 def decode_step(model: ToyDecoder, batch: int) -> Callable[[], torch.Tensor]:
@@ -236,7 +254,7 @@ def break_overhead(ctx: BenchContext) -> list[Measurement]:
 
     contenders = [Contender(EAGER, with_breaks)]
     if ctx.device.type == "cuda":
-        contenders.append(full_graph_contender(ctx, kernels_only, x))
+        contenders.append(ctx.build(FULL_GRAPH, lambda: full_graph_contender(ctx, kernels_only, x)))
         raw = []
         for _ in range(k + 1):
             g = torch.cuda.CUDAGraph()
@@ -252,7 +270,7 @@ def break_overhead(ctx: BenchContext) -> list[Measurement]:
         contenders.append(Contender("raw_launches", raw_launches, segments=k + 1))
     else:
         contenders.append(Contender(FULL_GRAPH, None, skipped="needs CUDA"))
-    bcg = bcg_contender(ctx, with_breaks, x)
+    bcg = ctx.build("bcg", lambda: bcg_contender(ctx, with_breaks, x))
     bcg.correct = None  # x keeps counting up; values are checked by the test suites instead
     contenders.append(bcg)
     return ctx.compare("break-overhead", f"breaks={k}", contenders)

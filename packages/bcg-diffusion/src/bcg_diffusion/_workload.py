@@ -66,9 +66,11 @@ def dit_workload(ctx: BenchContext) -> list[Measurement]:
             )
             contenders = [
                 Contender("eager", step),
-                full_graph_contender(ctx, step, reference),
+                ctx.build("full_graph", lambda: full_graph_contender(ctx, step, reference)),
                 bcg,
-                compile_contender(ctx, compiled_step, reference),
+                ctx.build(
+                    "torch.compile", lambda: compile_contender(ctx, compiled_step, reference)
+                ),
             ]
             return ctx.compare("dit", f"{res}x{res} latents, {text_len} text tokens", contenders)
     finally:
