@@ -7,23 +7,20 @@ and compares against eager code run on the same inputs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
-import warnings
 import weakref
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import pytest
 import torch
+from cuda_helpers import assert_idle, randn, refresh
 
 from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
     BreakOutputError,
     ReplayError,
-    _streams,  # noqa: PLC2701
     break_graph,
     eager_on_graph,
     get_current_stream,
@@ -33,58 +30,6 @@ from bcg_core import (
 pytestmark = pytest.mark.cuda
 
 REPLAYS = 3
-
-
-@pytest.fixture(autouse=True)
-def _seed_and_isolate() -> Iterator[None]:
-    torch.manual_seed(0)
-    yield
-    _repair_torch_state()
-
-
-def _repair_torch_state() -> None:
-    """Undo what a capture that fails inside torch's ``capture_begin`` can leave in torch, so
-    that one failing test stays one failure instead of breaking every later test:
-
-    - the default CUDA generator stuck in capture mode (later eager CUDA RNG calls then fail
-      with "Offset increment outside graph capture");
-    - the caching allocator still routing to the graph's pool (the next ``MemPool`` destructor
-      then aborts the whole process on ``captures_underway.empty()``).
-    """
-    device = torch.cuda.current_device()
-    for obj in gc.get_objects():
-        if type(obj) is BreakableCUDAGraph:  # type(): isinstance() trips lazy torch proxies
-            pool = obj.pool()
-            with contextlib.suppress(RuntimeError):  # raises unless routing was left behind
-                torch._C._cuda_endAllocateToPool(device, getattr(pool, "id", pool))
-    try:
-        torch.randn(1, device="cuda")
-    except RuntimeError:
-        graph = torch.cuda.CUDAGraph()
-        with warnings.catch_warnings(), torch.cuda.stream(torch.cuda.Stream()):
-            warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
-            graph.capture_begin()
-            graph.capture_end()  # ends the generator's capture mode too
-        graph.reset()
-
-
-def _randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Random data from the CPU generator, on the GPU: a capture that fails half-way can leave
-    torch's CUDA generator unusable, and that must not spill into other tests."""
-    return torch.randn(*shape, dtype=dtype).to("cuda")
-
-
-def _refresh(*static: torch.Tensor) -> None:
-    """Copy fresh random data into the static input buffers."""
-    for t in static:
-        t.copy_(_randn(*t.shape, dtype=t.dtype))
-
-
-def _assert_idle() -> None:
-    assert not is_breakable_capture_active()
-    assert not _streams.hooks_installed()
-    assert not torch.cuda.is_current_stream_capturing()
-    assert torch.cuda.current_stream().cuda_stream == torch.cuda.default_stream().cuda_stream
 
 
 # -- break functions used by several tests -----------------------------------------------------
@@ -114,41 +59,41 @@ def minus_three(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_break_at_start() -> None:
-    x = _randn(16, 16)
+    x = randn(16, 16)
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
         y = affine_break(x)
         out = y.sin() + x
-    _assert_idle()
+    assert_idle()
     assert graph.step_kinds == ("break", "graph")
     assert graph.num_segments == 1
     assert graph.num_breaks == 1
     assert graph.break_names == ("affine_break",)
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         torch.testing.assert_close(y, x * 2 + 1)
         torch.testing.assert_close(out, (x * 2 + 1).sin() + x)
 
 
 def test_break_at_end() -> None:
-    x = _randn(16, 16)
+    x = randn(16, 16)
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
         y = x.cos() * 3
         out = plus_one(y)
-    _assert_idle()
+    assert_idle()
     assert graph.step_kinds == ("graph", "break")
     assert graph.num_segments == 1
     assert graph.break_names == ("plus_one",)
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         torch.testing.assert_close(out, x.cos() * 3 + 1)
 
 
 def test_many_breaks_in_a_row_launch_no_empty_segment() -> None:
-    x = _randn(32)
+    x = randn(32)
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
         y = x.exp()
@@ -161,7 +106,7 @@ def test_many_breaks_in_a_row_launch_no_empty_segment() -> None:
     assert graph.num_breaks == 3
     assert graph.break_names == ("plus_one", "times_two", "minus_three")
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         expected = ((x.exp() + 1) * 2 - 3).tanh()
         torch.testing.assert_close(c, (x.exp() + 1) * 2 - 3)
@@ -169,7 +114,7 @@ def test_many_breaks_in_a_row_launch_no_empty_segment() -> None:
 
 
 def test_only_breaks_capture_no_segment() -> None:
-    x = _randn(32)
+    x = randn(32)
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
         a = plus_one(x)
@@ -177,13 +122,13 @@ def test_only_breaks_capture_no_segment() -> None:
     assert graph.step_kinds == ("break", "break")
     assert graph.num_segments == 0
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         torch.testing.assert_close(b, (x + 1) * 2)
 
 
 def test_break_graph_splits_without_eager_step() -> None:
-    x = _randn(8, 8)
+    x = randn(8, 8)
     break_graph()  # a no-op outside a capture
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
@@ -195,13 +140,13 @@ def test_break_graph_splits_without_eager_step() -> None:
         break_graph()  # adjacent splits: no empty segment in between
         out = z.relu() - x
         break_graph()  # at the end: the empty last segment is dropped
-    _assert_idle()
+    assert_idle()
     assert graph.step_kinds == ("graph", "graph", "graph")
     assert graph.num_segments == 3
     assert graph.num_breaks == 0
     assert graph.break_names == ()
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         torch.testing.assert_close(out, (x * 2 + 1).relu() - x)
 
@@ -227,7 +172,7 @@ class Scaler:
 def test_bound_methods_as_breaks() -> None:
     scaler = Scaler(1.5)
     shift = eager_on_graph(scaler.shift)  # decorating a bound method
-    x = _randn(4, 32)
+    x = randn(4, 32)
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
         a = scaler.scale(x.sin())
@@ -237,7 +182,7 @@ def test_bound_methods_as_breaks() -> None:
     assert graph.break_names == ("Scaler.scale", "Scaler.shift")
     assert scaler.calls == 2
     for i in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         assert scaler.calls == 2 + 2 * (i + 1)
         torch.testing.assert_close(out, (x.sin() * 1.5 * 2 + 1.5).square())
@@ -253,8 +198,8 @@ def combine(*tensors: torch.Tensor, scale: float = 1.0, bias: torch.Tensor | Non
 
 
 def test_args_and_kwargs() -> None:
-    x = _randn(64)
-    bias = _randn(64)
+    x = randn(64)
+    bias = randn(64)
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
         a = x * 2
@@ -266,7 +211,7 @@ def test_args_and_kwargs() -> None:
     assert graph.step_kinds == ("graph", "break", "break", "graph")
     assert graph.break_names == ("combine", "combine")
     for _ in range(REPLAYS):
-        _refresh(x, bias)
+        refresh(x, bias)
         graph.replay()
         expected_mixed = (x * 2 + x.sin() + x) * 0.5 + bias.cos()
         torch.testing.assert_close(mixed, expected_mixed)
@@ -296,8 +241,8 @@ def _nested_eager(
 
 
 def test_nested_containers_of_cuda_cpu_and_non_tensors() -> None:
-    x = _randn(8, 8)
-    y = _randn(8, 8)
+    x = randn(8, 8)
+    y = randn(8, 8)
     cpu = torch.randn(8, 8)  # stored as it is: in-place updates are seen at replay
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
@@ -313,7 +258,7 @@ def test_nested_containers_of_cuda_cpu_and_non_tensors() -> None:
         out = got.abs()
     assert graph.step_kinds == ("graph", "break", "graph")
     for _ in range(REPLAYS):
-        _refresh(x, y)
+        refresh(x, y)
         cpu.copy_(torch.randn(8, 8))
         graph.replay()
         torch.testing.assert_close(got, _nested_eager(x, y, cpu, 0.5))
@@ -375,7 +320,7 @@ KINDS = ["tensor", "tuple", "list", "dict", "dataclass", "object", "nested"]
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_outputs_are_bridged_across_replays(kind: str) -> None:
-    x = _randn(16, 16)
+    x = randn(16, 16)
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
         t = x * 2
@@ -384,7 +329,7 @@ def test_outputs_are_bridged_across_replays(kind: str) -> None:
         out = p * q + 1
     assert graph.step_kinds == ("graph", "break", "graph")
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         exp_p = (x * 2).sin()
         exp_q = exp_p if kind == "tensor" else x * 2 * 3
@@ -396,7 +341,7 @@ def test_outputs_are_bridged_across_replays(kind: str) -> None:
 
 
 def test_returned_output_stays_valid_across_replays() -> None:
-    x = _randn(128)
+    x = randn(128)
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
         returned = affine_break(x.sigmoid())
@@ -404,7 +349,7 @@ def test_returned_output_stays_valid_across_replays() -> None:
     kept = returned  # the capture-time object, read after every replay
     ptr = kept.data_ptr()
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         assert kept.data_ptr() == ptr
         torch.testing.assert_close(kept, x.sigmoid() * 2 + 1)
@@ -431,12 +376,12 @@ def _return_in_object(t: torch.Tensor) -> Any:
 )
 def test_strict_rejects_cuda_output_at_capture(body: Any) -> None:
     strict_break = eager_on_graph(strict=True, name="strict_break")(body)
-    x = _randn(8)
+    x = randn(8)
     graph = BreakableCUDAGraph()
     with pytest.raises(BreakOutputError, match="strict_break"), BreakableCUDAGraphCapture(graph):
         y = x * 2
         strict_break(y)
-    _assert_idle()
+    assert_idle()
     assert not graph.is_captured
     with pytest.raises(ReplayError):
         graph.replay()
@@ -453,7 +398,7 @@ def strict_cpu(src: torch.Tensor) -> Any:
 
 
 def test_strict_break_writing_into_argument_buffer() -> None:
-    x = _randn(32, 32)
+    x = randn(32, 32)
     buf = torch.empty(32, 32, device="cuda")
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
@@ -463,7 +408,7 @@ def test_strict_break_writing_into_argument_buffer() -> None:
         out = buf * info["n"]
     assert graph.step_kinds == ("graph", "break", "break", "graph")
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         buf.zero_()
         graph.replay()
         torch.testing.assert_close(buf, (x + 1).cos() * 2)
@@ -488,7 +433,7 @@ def test_capture_stub_runs_at_capture_and_real_function_at_replay() -> None:
         return real_math(t)
 
     real = eager_on_graph(capture_stub=stub, name="real")(real_fn)
-    x = _randn(64)
+    x = randn(64)
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
         y = x + 1
@@ -496,7 +441,7 @@ def test_capture_stub_runs_at_capture_and_real_function_at_replay() -> None:
         out = z + y
     assert calls == {"stub": 1, "real": 0}
     for i in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         assert calls == {"stub": 1, "real": i + 1}
         expected = real_math(x + 1)  # what the real function computes on the same inputs
@@ -520,7 +465,7 @@ def test_barrier_runs_before_each_break_at_capture_only() -> None:
         log.append("second")
         return t * 2
 
-    x = _randn(16)
+    x = randn(16)
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph, barrier_fn=barrier):
         a = first(x * 3)
@@ -529,7 +474,7 @@ def test_barrier_runs_before_each_break_at_capture_only() -> None:
     assert log == ["barrier", "first", "barrier", "second"]
     for _ in range(REPLAYS):
         log.clear()
-        _refresh(x)
+        refresh(x)
         graph.replay()
         assert log == ["first", "second"]
         torch.testing.assert_close(out, (x * 3 + 1).sin() * 2 - 1)
@@ -539,13 +484,13 @@ def test_barrier_runs_before_each_break_at_capture_only() -> None:
 
 
 def test_reset_then_recapture_a_different_function() -> None:
-    x = _randn(16, 16)
+    x = randn(16, 16)
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
         out1 = plus_one(x * 2).sin()
     assert graph.step_kinds == ("graph", "break", "graph")
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         torch.testing.assert_close(out1, (x * 2 + 1).sin())
 
@@ -560,11 +505,11 @@ def test_reset_then_recapture_a_different_function() -> None:
         h = times_two(h)
         h = minus_three(h + x)
         out2 = h.abs()
-    _assert_idle()
+    assert_idle()
     assert graph.step_kinds == ("graph", "break", "graph", "break", "graph")
     assert graph.break_names == ("times_two", "minus_three")
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         torch.testing.assert_close(out2, (x.cos() * 2 + x - 3).abs())
 
@@ -573,8 +518,8 @@ def test_shared_pool_graphs_of_different_shapes_replayed_a_b_a() -> None:
     graph_a = BreakableCUDAGraph()
     graph_b = BreakableCUDAGraph(pool=graph_a.pool())
     assert graph_b.pool() == graph_a.pool()
-    xa = _randn(16, 32)
-    xb = _randn(64, 8)
+    xa = randn(16, 32)
+    xb = randn(64, 8)
     with BreakableCUDAGraphCapture(graph_a):
         tmp = xa.sin() * 2  # a temporary freed during capture: its block may go to B
         ya = plus_one(tmp).relu() + xa
@@ -587,13 +532,13 @@ def test_shared_pool_graphs_of_different_shapes_replayed_a_b_a() -> None:
     assert graph_b.step_kinds == ("graph", "break", "graph")
 
     def check_a() -> None:
-        _refresh(xa)
+        refresh(xa)
         graph_a.replay()
         torch.testing.assert_close(ya, (xa.sin() * 2 + 1).relu() + xa)
 
     for _ in range(REPLAYS):
         check_a()
-        _refresh(xb)
+        refresh(xb)
         graph_b.replay()
         torch.testing.assert_close(yb, xb.exp() * 2 - xb)
         check_a()
@@ -608,7 +553,7 @@ def consume(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_break_inputs_are_not_retained() -> None:
-    x = _randn(256)
+    x = randn(256)
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
         tmp = x * 2 + 1
@@ -619,7 +564,7 @@ def test_break_inputs_are_not_retained() -> None:
     gc.collect()
     assert probe() is None, "a break kept a strong reference to its CUDA tensor argument"
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         torch.testing.assert_close(y, (x * 2 + 1).cos() + 1)
         torch.testing.assert_close(out, ((x * 2 + 1).cos() + 1) * 3)
@@ -645,7 +590,7 @@ def test_capture_active_and_current_stream_during_capture_and_replay() -> None:
     capture_stream = torch.cuda.Stream()
     user_stream = torch.cuda.Stream()
     default_handle = torch.cuda.current_stream().cuda_stream
-    x = _randn(32)
+    x = randn(32)
     assert not is_breakable_capture_active()
     assert get_current_stream().cuda_stream == default_handle
     graph = BreakableCUDAGraph()
@@ -664,7 +609,7 @@ def test_capture_active_and_current_stream_during_capture_and_replay() -> None:
 
     for _ in range(REPLAYS):
         seen.clear()
-        _refresh(x)
+        refresh(x)
         user_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(user_stream):
             graph.replay()
@@ -674,7 +619,7 @@ def test_capture_active_and_current_stream_during_capture_and_replay() -> None:
         torch.testing.assert_close(out, (x * 2 + 1) * 3)
 
     seen.clear()
-    _refresh(x)
+    refresh(x)
     graph.replay()  # on the default stream
     assert seen == [(False, default_handle, default_handle)]
     torch.testing.assert_close(out, (x * 2 + 1) * 3)

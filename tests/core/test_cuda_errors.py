@@ -4,16 +4,14 @@ capture concurrently in thread_local mode."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import sys
 import threading
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from cuda_helpers import assert_idle, randn, refresh
 
 import bcg_core
 from bcg_core import (
@@ -22,65 +20,12 @@ from bcg_core import (
     BreakableGraphError,
     CaptureError,
     ReplayError,
-    _streams,  # noqa: PLC2701
     eager_on_graph,
 )
 
 pytestmark = pytest.mark.cuda
 
 REPLAYS = 3
-
-
-@pytest.fixture(autouse=True)
-def _seed_and_isolate() -> Iterator[None]:
-    torch.manual_seed(0)
-    yield
-    _repair_torch_state()
-
-
-def _repair_torch_state() -> None:
-    """Undo what a capture that fails inside torch's ``capture_begin`` can leave in torch, so
-    that one failing test stays one failure instead of breaking every later test:
-
-    - the default CUDA generator stuck in capture mode (later eager CUDA RNG calls then fail
-      with "Offset increment outside graph capture");
-    - the caching allocator still routing to the graph's pool (the next ``MemPool`` destructor
-      then aborts the whole process on ``captures_underway.empty()``).
-    """
-    device = torch.cuda.current_device()
-    for obj in gc.get_objects():
-        if type(obj) is BreakableCUDAGraph:  # type(): isinstance() trips lazy torch proxies
-            pool = obj.pool()
-            with contextlib.suppress(RuntimeError):  # raises unless routing was left behind
-                torch._C._cuda_endAllocateToPool(device, getattr(pool, "id", pool))
-    try:
-        torch.randn(1, device="cuda")
-    except RuntimeError:
-        graph = torch.cuda.CUDAGraph()
-        with warnings.catch_warnings(), torch.cuda.stream(torch.cuda.Stream()):
-            warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
-            graph.capture_begin()
-            graph.capture_end()  # ends the generator's capture mode too
-        graph.reset()
-
-
-def _randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Random data from the CPU generator, on the GPU: a capture that fails half-way can leave
-    torch's CUDA generator unusable, and that must not spill into other tests."""
-    return torch.randn(*shape, dtype=dtype).to("cuda")
-
-
-def _refresh(*static: torch.Tensor) -> None:
-    for t in static:
-        t.copy_(_randn(*t.shape, dtype=t.dtype))
-
-
-def _assert_clean() -> None:
-    """No capture, no hooks, the default stream current and not capturing."""
-    assert not bcg_core.is_breakable_capture_active()
-    assert not _streams.hooks_installed()
-    assert torch.cuda.current_stream().cuda_stream == torch.cuda.default_stream().cuda_stream
-    assert not torch.cuda.is_current_stream_capturing()
 
 
 @eager_on_graph(name="shift")
@@ -100,10 +45,10 @@ def _capture_and_check(graph: BreakableCUDAGraph, x: torch.Tensor) -> None:
     """Capture `_forward` into `graph` and check it over several replays."""
     with BreakableCUDAGraphCapture(graph):
         out = _forward(x)
-    _assert_clean()
+    assert_idle()
     assert graph.step_kinds == ("graph", "break", "graph")
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         torch.testing.assert_close(out, _expected(x))
 
@@ -122,7 +67,7 @@ BAD_ARGUMENTS: dict[str, tuple[type[Exception], str, dict[str, Any]]] = {
 def test_wrong_graph_type() -> None:
     with pytest.raises(TypeError, match="BreakableCUDAGraph"):
         BreakableCUDAGraphCapture(torch.cuda.CUDAGraph())  # type: ignore[arg-type]
-    _assert_clean()
+    assert_idle()
 
 
 @pytest.mark.parametrize("case", sorted(BAD_ARGUMENTS))
@@ -131,23 +76,23 @@ def test_bad_arguments_leave_no_state(case: str) -> None:
     graph = BreakableCUDAGraph()
     with pytest.raises(error, match=match):
         BreakableCUDAGraphCapture(graph, **kwargs)
-    _assert_clean()
+    assert_idle()
     assert not graph.is_captured
-    _capture_and_check(graph, _randn(64))  # still empty and usable
+    _capture_and_check(graph, randn(64))  # still empty and usable
 
 
 # -- misuse during and around capture ----------------------------------------------------------
 
 
 def test_nested_capture() -> None:
-    x = _randn(64)
+    x = randn(64)
     outer = BreakableCUDAGraph()
     inner = BreakableCUDAGraph()
     with pytest.raises(CaptureError, match="nested"), BreakableCUDAGraphCapture(outer):
         x.cos()
         with BreakableCUDAGraphCapture(inner):
             pass
-    _assert_clean()
+    assert_idle()
     assert not outer.is_captured
     with pytest.raises(ReplayError, match="failed"):
         outer.replay()
@@ -156,7 +101,7 @@ def test_nested_capture() -> None:
 
 @pytest.mark.parametrize("which", ["other-graph", "same-graph"])
 def test_replay_during_capture(which: str) -> None:
-    x = _randn(64)
+    x = randn(64)
     done = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(done):
         done_out = _forward(x)
@@ -164,10 +109,10 @@ def test_replay_during_capture(which: str) -> None:
     with pytest.raises(ReplayError), BreakableCUDAGraphCapture(graph):
         x.cos()
         (done if which == "other-graph" else graph).replay()
-    _assert_clean()
+    assert_idle()
     assert not graph.is_captured
     for _ in range(REPLAYS):  # the captured graph is unaffected
-        _refresh(x)
+        refresh(x)
         done.replay()
         torch.testing.assert_close(done_out, _expected(x))
     _capture_and_check(BreakableCUDAGraph(), x)
@@ -177,22 +122,22 @@ def test_replay_of_never_captured_graph() -> None:
     graph = BreakableCUDAGraph()
     with pytest.raises(ReplayError, match="no capture"):
         graph.replay()
-    _assert_clean()
+    assert_idle()
 
 
 def test_replay_of_failed_graph() -> None:
-    x = _randn(64)
+    x = randn(64)
     graph = BreakableCUDAGraph()
     with pytest.raises(ValueError, match="boom"), BreakableCUDAGraphCapture(graph):
         x.cos()
         raise ValueError("boom")
     with pytest.raises(ReplayError, match="failed"):
         graph.replay()
-    _assert_clean()
+    assert_idle()
 
 
 def test_capture_into_captured_graph_needs_reset() -> None:
-    x = _randn(64)
+    x = randn(64)
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
         out = _forward(x)
@@ -200,10 +145,10 @@ def test_capture_into_captured_graph_needs_reset() -> None:
     # Both derive from BreakableGraphError.
     with pytest.raises(BreakableGraphError, match="reset"), BreakableCUDAGraphCapture(graph):
         x.tan()
-    _assert_clean()
+    assert_idle()
     assert graph.is_captured
     for _ in range(REPLAYS):  # the existing capture is intact
-        _refresh(x)
+        refresh(x)
         graph.replay()
         torch.testing.assert_close(out, _expected(x))
 
@@ -245,7 +190,7 @@ RAISERS: dict[str, tuple[Callable[[torch.Tensor], None], type[Exception], str]] 
 @pytest.mark.parametrize("where", sorted(RAISERS))
 def test_exception_propagates_and_leaves_clean_state(where: str) -> None:
     body, error, message = RAISERS[where]
-    x = _randn(64)
+    x = randn(64)
     graph = BreakableCUDAGraph()
     with pytest.raises(error) as info, BreakableCUDAGraphCapture(graph):
         body(x)
@@ -254,7 +199,7 @@ def test_exception_propagates_and_leaves_clean_state(where: str) -> None:
     if sys.version_info >= (3, 11):
         notes = getattr(info.value, "__notes__", [])
         assert any("breakable CUDA graph capture" in note for note in notes)
-    _assert_clean()
+    assert_idle()
     assert not graph.is_captured
     with pytest.raises(ReplayError):
         graph.replay()
@@ -277,12 +222,12 @@ def host_peak(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_host_sync_in_segment_fails_cleanly_and_works_in_a_break() -> None:
-    x = _randn(256)
+    x = randn(256)
     graph = BreakableCUDAGraph()
     with pytest.raises(RuntimeError), BreakableCUDAGraphCapture(graph):
         y = x * 2
         _normalize_in_segment(y)
-    _assert_clean()
+    assert_idle()
     torch.cuda.synchronize()  # nothing is left capturing
     assert not graph.is_captured
 
@@ -290,10 +235,10 @@ def test_host_sync_in_segment_fails_cleanly_and_works_in_a_break() -> None:
     with BreakableCUDAGraphCapture(graph):
         y = x * 2
         out = host_peak(y).tanh()
-    _assert_clean()
+    assert_idle()
     assert graph.step_kinds == ("graph", "break", "graph")
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         torch.testing.assert_close(out, _normalize_in_segment(x * 2).tanh())
 
@@ -308,7 +253,7 @@ def thread_break(t: torch.Tensor, k: float) -> torch.Tensor:
 
 def test_thread_local_captures_in_two_threads() -> None:
     n = 2
-    inputs = [_randn(32, 32) for _ in range(n)]
+    inputs = [randn(32, 32) for _ in range(n)]
     graphs = [BreakableCUDAGraph() for _ in range(n)]
     outs: list[torch.Tensor | None] = [None] * n
     errors: list[BaseException] = []
@@ -344,12 +289,12 @@ def test_thread_local_captures_in_two_threads() -> None:
         first = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
         raise (first or errors)[0]
     assert active_inside == [True, True]
-    _assert_clean()
+    assert_idle()
     for i in range(n):
         assert graphs[i].step_kinds == ("graph", "break", "graph")
     for _ in range(REPLAYS):
         for i in range(n):
-            _refresh(inputs[i])
+            refresh(inputs[i])
             graphs[i].replay()
         for i in range(n):
             x = inputs[i]

@@ -3,13 +3,9 @@ side-stream work left running by a break, and stream hooks removed after every c
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import warnings
-from collections.abc import Iterator
-
 import pytest
 import torch
+from cuda_helpers import assert_idle, randn, refresh
 
 from bcg_core import (
     BreakableCUDAGraph,
@@ -18,7 +14,6 @@ from bcg_core import (
     UnjoinedStreamError,
     _streams,  # noqa: PLC2701
     eager_on_graph,
-    is_breakable_capture_active,
 )
 
 pytestmark = pytest.mark.cuda
@@ -27,63 +22,12 @@ REPLAYS = 3
 SLEEP_CYCLES = 20_000_000  # about 10 ms on an H200: long enough to lose any race
 
 
-@pytest.fixture(autouse=True)
-def _seed_and_isolate() -> Iterator[None]:
-    torch.manual_seed(0)
-    yield
-    _repair_torch_state()
-
-
-def _repair_torch_state() -> None:
-    """Undo what a capture that fails inside torch's ``capture_begin`` can leave in torch, so
-    that one failing test stays one failure instead of breaking every later test:
-
-    - the default CUDA generator stuck in capture mode (later eager CUDA RNG calls then fail
-      with "Offset increment outside graph capture");
-    - the caching allocator still routing to the graph's pool (the next ``MemPool`` destructor
-      then aborts the whole process on ``captures_underway.empty()``).
-    """
-    device = torch.cuda.current_device()
-    for obj in gc.get_objects():
-        if type(obj) is BreakableCUDAGraph:  # type(): isinstance() trips lazy torch proxies
-            pool = obj.pool()
-            with contextlib.suppress(RuntimeError):  # raises unless routing was left behind
-                torch._C._cuda_endAllocateToPool(device, getattr(pool, "id", pool))
-    try:
-        torch.randn(1, device="cuda")
-    except RuntimeError:
-        graph = torch.cuda.CUDAGraph()
-        with warnings.catch_warnings(), torch.cuda.stream(torch.cuda.Stream()):
-            warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
-            graph.capture_begin()
-            graph.capture_end()  # ends the generator's capture mode too
-        graph.reset()
-
-
-def _randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Random data from the CPU generator, on the GPU: a capture that fails half-way can leave
-    torch's CUDA generator unusable, and that must not spill into other tests."""
-    return torch.randn(*shape, dtype=dtype).to("cuda")
-
-
-def _refresh(*static: torch.Tensor) -> None:
-    for t in static:
-        t.copy_(_randn(*t.shape, dtype=t.dtype))
-
-
-def _assert_idle() -> None:
-    assert not _streams.hooks_installed()
-    assert not is_breakable_capture_active()
-    assert not torch.cuda.is_current_stream_capturing()
-    assert torch.cuda.current_stream().cuda_stream == torch.cuda.default_stream().cuda_stream
-
-
 def _warm_stream() -> torch.cuda.Stream:
     """A new side stream on which cuBLAS has already run once (as torch's docs advise)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        a = _randn(64, 64)
+        a = randn(64, 64)
         a @ a
     torch.cuda.synchronize()
     return side
@@ -99,7 +43,7 @@ def halve(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("after_break", [False, True], ids=["first-segment", "after-break"])
 def test_fork_and_join_with_wait_stream(after_break: bool) -> None:
-    x = _randn(64, 64)
+    x = randn(64, 64)
     side = _warm_stream()
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph, auto_join=False):
@@ -111,10 +55,10 @@ def test_fork_and_join_with_wait_stream(after_break: bool) -> None:
         b = src.sin()
         cap.wait_stream(side)
         out = a + b
-    _assert_idle()
+    assert_idle()
     assert graph.step_kinds == (("graph", "break", "graph") if after_break else ("graph",))
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         s = x * 2 if after_break else x
         torch.testing.assert_close(out, s @ s + s.sin(), rtol=1e-4, atol=1e-4)
@@ -123,7 +67,7 @@ def test_fork_and_join_with_wait_stream(after_break: bool) -> None:
 @pytest.mark.parametrize("fork", ["stream.wait_event", "event.wait"])
 @pytest.mark.parametrize("join", ["stream.wait_event", "event.wait", "event.wait-current"])
 def test_fork_and_join_with_events(fork: str, join: str) -> None:
-    x = _randn(4096)
+    x = randn(4096)
     side = torch.cuda.Stream()
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph, auto_join=False):
@@ -146,17 +90,17 @@ def test_fork_and_join_with_events(fork: str, join: str) -> None:
         else:
             done.wait()  # on the current stream: the capturing stream
         out = a - y
-    _assert_idle()
+    assert_idle()
     assert graph.step_kinds == ("graph",)
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         torch.testing.assert_close(out, (x * 3).exp() - x * 3)
 
 
 @pytest.mark.parametrize("ends_at", ["capture-end", "break"])
 def test_unjoined_fork_is_auto_joined(ends_at: str) -> None:
-    x = _randn(1024)
+    x = randn(1024)
     side = torch.cuda.Stream()
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):  # auto_join=True by default
@@ -167,10 +111,10 @@ def test_unjoined_fork_is_auto_joined(ends_at: str) -> None:
         # no join: the segment's end joins `side` into the capturing stream
         if ends_at == "break":
             w = halve(z)
-    _assert_idle()
+    assert_idle()
     assert graph.step_kinds == (("graph", "break") if ends_at == "break" else ("graph",))
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         torch.testing.assert_close(z, (x * 2).sin() + 1)
         if ends_at == "break":
@@ -179,7 +123,7 @@ def test_unjoined_fork_is_auto_joined(ends_at: str) -> None:
 
 @pytest.mark.parametrize("ends_at", ["capture-end", "break"])
 def test_unjoined_fork_without_auto_join_names_the_stream(ends_at: str) -> None:
-    x = _randn(1024)
+    x = randn(1024)
     side = torch.cuda.Stream()
     graph = BreakableCUDAGraph()
     with (
@@ -195,7 +139,7 @@ def test_unjoined_fork_without_auto_join_names_the_stream(ends_at: str) -> None:
     message = str(info.value)
     assert repr(side) in message  # the code names streams by repr()
     assert f"{side.cuda_stream:#x}" in message  # torch's repr carries the handle in hex
-    _assert_idle()
+    assert_idle()
     assert not graph.is_captured
     with pytest.raises(ReplayError):
         graph.replay()
@@ -216,9 +160,9 @@ def test_unjoined_fork_without_auto_join_names_the_stream(ends_at: str) -> None:
             y.add_(1)
         cap.wait_stream(side)
         out = halve(y)
-    _assert_idle()
+    assert_idle()
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         torch.testing.assert_close(out, (x * 2 + 1) / 2)
 
@@ -228,7 +172,7 @@ def test_unjoined_fork_without_auto_join_names_the_stream(ends_at: str) -> None:
 
 def test_break_side_stream_work_is_finished_before_next_segment() -> None:
     side = torch.cuda.Stream()
-    w = _randn(128, 128) / 128**0.5
+    w = randn(128, 128) / 128**0.5
 
     @eager_on_graph(name="slow_side_work")
     def slow_side_work(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -247,17 +191,17 @@ def test_break_side_stream_work_is_finished_before_next_segment() -> None:
             acc = torch.tanh(acc @ w)
         return acc
 
-    x = _randn(64, 128)
+    x = randn(64, 128)
     buf = torch.empty(64, 128, device="cuda")
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
         y = x * 2
         slow_side_work(y, buf)
         out = buf + 1
-    _assert_idle()
+    assert_idle()
     assert graph.step_kinds == ("graph", "break", "graph")
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         buf.zero_()  # stale data would show up as zeros in `out`
         graph.replay()
         expected = eager_chain(x * 2)
@@ -269,7 +213,7 @@ def test_break_side_stream_work_is_finished_before_next_segment() -> None:
 
 
 def test_hooks_installed_only_while_capturing() -> None:
-    x = _randn(16)
+    x = randn(16)
     original_record = torch.cuda.Event.record
     assert not _streams.hooks_installed()
     graph = BreakableCUDAGraph()
@@ -288,8 +232,8 @@ def test_hooks_installed_only_while_capturing() -> None:
         raise RuntimeError("inside capture")
     assert not _streams.hooks_installed()
     assert torch.cuda.Event.record is original_record
-    _assert_idle()
+    assert_idle()
     for _ in range(REPLAYS):
-        _refresh(x)
+        refresh(x)
         graph.replay()
         torch.testing.assert_close(out, (x + 1) / 2 + 1)

@@ -3,15 +3,12 @@ break in forward and a break in backward, checked step by step against an eager 
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import gc
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from cuda_helpers import randn
 from torch import nn
 
 from bcg_core import (
@@ -30,44 +27,6 @@ WARMUP = 3
 TOL: dict[str, float] = {"rtol": 1e-4, "atol": 1e-5}
 
 calls: list[tuple[str, bool]] = []
-
-
-@pytest.fixture(autouse=True)
-def _isolate() -> Iterator[None]:
-    yield
-    _repair_torch_state()
-
-
-def _repair_torch_state() -> None:
-    """Undo what a capture that fails inside torch's ``capture_begin`` can leave in torch, so
-    that one failing test stays one failure instead of breaking every later test:
-
-    - the default CUDA generator stuck in capture mode (later eager CUDA RNG calls then fail
-      with "Offset increment outside graph capture");
-    - the caching allocator still routing to the graph's pool (the next ``MemPool`` destructor
-      then aborts the whole process on ``captures_underway.empty()``).
-    """
-    device = torch.cuda.current_device()
-    for obj in gc.get_objects():
-        if type(obj) is BreakableCUDAGraph:  # type(): isinstance() trips lazy torch proxies
-            pool = obj.pool()
-            with contextlib.suppress(RuntimeError):  # raises unless routing was left behind
-                torch._C._cuda_endAllocateToPool(device, getattr(pool, "id", pool))
-    try:
-        torch.randn(1, device="cuda")
-    except RuntimeError:
-        graph = torch.cuda.CUDAGraph()
-        with warnings.catch_warnings(), torch.cuda.stream(torch.cuda.Stream()):
-            warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
-            graph.capture_begin()
-            graph.capture_end()  # ends the generator's capture mode too
-        graph.reset()
-
-
-def _randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Random data from the CPU generator, on the GPU: a capture that fails half-way can leave
-    torch's CUDA generator unusable, and that must not spill into other tests."""
-    return torch.randn(*shape, dtype=dtype).to("cuda")
 
 
 @eager_on_graph(strict=True, name="act_forward")
@@ -123,7 +82,7 @@ def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch
 
 def test_eager_silu_matches_autograd() -> None:
     torch.manual_seed(0)
-    h = _randn(8, 64).requires_grad_()
+    h = randn(8, 64).requires_grad_()
     ours = BreakSiLU.apply(h)
     (g_ours,) = torch.autograd.grad(ours.sum(), h)
     theirs = nn.functional.silu(h)
@@ -137,8 +96,8 @@ def _warmed_up_model() -> tuple[Net, Net, torch.Tensor, torch.Tensor]:
     example does), an eager copy of it, and the static input and target buffers."""
     torch.manual_seed(0)
     model = Net().cuda()
-    static_x = _randn(8, 32)
-    static_t = _randn(8, 16)
+    static_x = randn(8, 32)
+    static_t = randn(8, 16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -166,8 +125,8 @@ def _check_steps(
     assert all(g is not None for g in grads)
     static_x, static_t = static
     for _ in range(STEPS):
-        new_x = _randn(8, 32)
-        new_t = _randn(8, 16)
+        new_x = randn(8, 32)
+        new_t = randn(8, 16)
         static_x.copy_(new_x)
         static_t.copy_(new_t)
         calls.clear()
