@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -119,7 +120,10 @@ class CaptureState:
         segment, self.segment = self.segment, None
         if segment is None:
             return
-        self.tracker.join_all()  # an unjoined fork would make ending the capture fail too
+        # An unjoined fork would make ending the capture fail too; joining can itself fail when
+        # the capture is already invalidated, which ending it below then reports.
+        with contextlib.suppress(RuntimeError):
+            self.tracker.join_all()
         try:
             segment.capture_end()
         except RuntimeError:
