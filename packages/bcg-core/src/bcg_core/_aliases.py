@@ -56,9 +56,3 @@ def alias_tree(obj: Any, device_types: frozenset[str] = frozenset({"cuda"})) -> 
 
     return map_tree(obj, leaf)
 
-
-def tree_tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors :func:`map_tree` visits, in the same order."""
-    out: list[torch.Tensor] = []
-    map_tree(obj, out.append)
-    return out

@@ -13,12 +13,17 @@ from typing import Any
 
 import torch
 
-from bcg_core._aliases import map_tree, tree_tensors
+from bcg_core._aliases import map_tree
 from bcg_core._backend import backend_for, pool_id
 from bcg_core._capture import BreakableCUDAGraphCapture
 from bcg_core._flag import enable_breakable_cuda_graph
 from bcg_core._graph import BreakableCUDAGraph
-from bcg_core._signature import Signature, describe_difference, identity_objects, signature_of
+from bcg_core._signature import (
+    Signature,
+    describe_difference,
+    identity_objects,
+    signature_and_tensors,
+)
 
 logger = logging.getLogger("bcg_core")
 
@@ -151,12 +156,12 @@ class BreakableGraphRunner:
         with self._lock:
             if not self._can_graph():
                 return self.module(*args, **kwargs)
-            sig = signature_of(args, kwargs)
+            sig, live = signature_and_tensors(args, kwargs)
             entry = self._entries.get(sig)
             if entry is not None:
                 self._entries.move_to_end(sig)
                 self._counts["hits"] += 1
-                return self._replay(entry, args, kwargs)
+                return self._replay(entry, live)
             if sig not in self._blocked and self._window > 0:
                 return self._capture(sig, args, kwargs)
             self._counts["misses"] += 1
@@ -291,10 +296,9 @@ class BreakableGraphRunner:
             _, old = self._entries.popitem(last=False)
             old.graph.reset()
             self._counts["evictions"] += 1
-        return self._replay(entry, args, kwargs)
+        return self._replay(entry, signature_and_tensors(args, kwargs)[1])
 
-    def _replay(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        live = tree_tensors((args, _sorted(kwargs)))
+    def _replay(self, entry: _Entry, live: list[torch.Tensor]) -> Any:
         pairs = [
             (d, s) for d, s in zip(entry.statics, live, strict=True) if d.data_ptr() != s.data_ptr()
         ]

@@ -21,18 +21,32 @@ _CONSTANTS = (type(None), bool, int, float, complex, str, bytes, enum.Enum, torc
 
 def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
     """The hashable signature of a call."""
-    return (_sig(args), tuple((k, _sig(v)) for k, v in sorted(kwargs.items())))
+    return signature_and_tensors(args, kwargs)[0]
 
 
-def _sig(obj: Any) -> Any:
+def signature_and_tensors(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Signature, list[torch.Tensor]]:
+    """The signature and, in one pass (a replay's hot path), the call's tensors in the order
+    ``map_tree`` visits ``(args, kwargs sorted by name)``."""
+    tensors: list[torch.Tensor] = []
+    sig = (
+        _sig(args, tensors),
+        tuple((k, _sig(v, tensors)) for k, v in sorted(kwargs.items())),
+    )
+    return sig, tensors
+
+
+def _sig(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
-        return ("tensor", tuple(obj.shape), obj.dtype, str(obj.device))
+        tensors.append(obj)
+        return ("tensor", tuple(obj.shape), obj.dtype, obj.device)
     if isinstance(obj, _CONSTANTS):
         return ("const", type(obj).__name__, obj)
     if isinstance(obj, (list, tuple)):
-        return (type(obj).__name__, tuple(_sig(x) for x in obj))
+        return (type(obj).__name__, tuple(_sig(x, tensors) for x in obj))
     if isinstance(obj, dict):
-        return ("dict", tuple((k, _sig(v)) for k, v in obj.items()))
+        return ("dict", tuple((k, _sig(v, tensors)) for k, v in obj.items()))
     return ("object", type(obj).__qualname__, id(obj))
 
 
