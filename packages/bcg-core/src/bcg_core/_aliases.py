@@ -55,4 +55,3 @@ def alias_tree(obj: Any, device_types: frozenset[str] = frozenset({"cuda"})) -> 
         return alias_tensor(t) if t.device.type in device_types else t
 
     return map_tree(obj, leaf)
-
