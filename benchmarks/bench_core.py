@@ -29,12 +29,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import gc
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -43,7 +40,6 @@ from typing import Any
 
 import torch
 
-import bcg_core
 from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
@@ -52,6 +48,7 @@ from bcg_core import (
 )
 
 # The toy decoder is a private module of bcg_core, kept out of the public API on purpose.
+from bcg_core._report import environment as bench_environment  # noqa: PLC2701
 from bcg_core._toy_decoder import ToyDecoder, bench_config  # noqa: PLC2701
 
 BREAK_COUNTS = (16, 64)
@@ -295,33 +292,6 @@ def bench_decoder(repeats: int, steps: int) -> dict[str, Any]:
     }
 
 
-def _driver_version() -> str | None:
-    try:
-        done = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = done.stdout.strip().splitlines()
-    return lines[0].strip() if lines else None
-
-
-def _environment() -> dict[str, Any]:
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "driver": _driver_version(),
-        "bcg_core": bcg_core.__version__,
-        "python": platform.python_version(),
-    }
-
-
 def _markdown(report: dict[str, Any]) -> str:
     env = report["environment"]
     lines = [
@@ -372,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     with torch.no_grad():
-        environment = _environment()
+        environment = bench_environment()
         with _gc_off():
             overhead = bench_break_overhead(args.overhead_repeats)
             decoder = bench_decoder(args.repeats, args.steps)

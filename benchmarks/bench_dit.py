@@ -8,10 +8,8 @@ Writes DIR/bench_dit.json and prints a Markdown table. Ratios are computed withi
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,24 +17,11 @@ from typing import Any
 
 import torch
 
+from bcg_core._report import environment  # noqa: PLC2701
 from bcg_diffusion import DiTRunner
 from bcg_diffusion._toy_dit import DiTConfig, DiTSelfAttention, ToyDiT  # noqa: PLC2701
 
 STEPS = 50
-
-
-def _driver() -> str:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def _time_loop(loop: Callable[[], torch.Tensor], repeats: int) -> dict[str, float]:
@@ -103,11 +88,7 @@ def main() -> None:
         entry = runner.stats.entries[0]
 
     results = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "driver": _driver(),
+        **environment(),
         "config": {
             "hidden": cfg.hidden,
             "depth": cfg.depth,
