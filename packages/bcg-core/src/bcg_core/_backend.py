@@ -33,8 +33,6 @@ class Segment(Protocol):
 
     def capture_end(self) -> None: ...
 
-    def replay(self) -> None: ...
-
     def launcher(self) -> Callable[[], None]:
         """The cheapest callable that replays this segment (used by replay plans)."""
         ...
@@ -135,9 +133,6 @@ class CudaSegment:
             if self._empty:
                 warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
             self._graph.capture_end()
-
-    def replay(self) -> None:
-        self._graph.replay()
 
     def launcher(self) -> Callable[[], None]:
         return self._graph.replay

@@ -146,9 +146,6 @@ class CpuSegment:
         self._steps = tuple(recorder.steps)
         self._empty = not self._steps
 
-    def replay(self) -> None:
-        self.launcher()()
-
     def launcher(self) -> Callable[[], None]:
         steps = self._steps
         below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
