@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from bcg_core._bench import EAGER, FULL_GRAPH, BenchContext, Contender, Measurement
+from bcg_core._breaks import eager_on_graph
 from bcg_core._capture import BreakableCUDAGraphCapture
 from bcg_core._flag import enable_breakable_cuda_graph
 from bcg_core._graph import BreakableCUDAGraph
@@ -236,8 +237,6 @@ def break_overhead(ctx: BenchContext) -> list[Measurement]:
 
     def noop() -> None:
         return None
-
-    from bcg_core._breaks import eager_on_graph
 
     brk = eager_on_graph(name="noop")(noop)
 
