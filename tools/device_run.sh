@@ -1,20 +1,42 @@
 #!/usr/bin/env bash
-# One device call that does everything (the GPU lease is short): install the carried wheels,
-# run the CUDA suite from source, then `bcg demo` and `bcg bench` from the installed wheels
-# (entry points need installed metadata). Logs and results go to $OUT (or ./device-out).
-# Usage on the GPU machine: tools/device_run.sh [extra bench args, e.g. --skip torch.compile]
+# One device call that does several jobs (the GPU lease is short). Install the carried wheels
+# (from tools/build_device_wheels.sh), then run the named phases in order:
+#   tests    the CUDA suite from source (tools/device_tests.sh -m cuda)
+#   bench    the full `bcg bench` (every installed workload), JSON + PNG
+#   demo     `bcg demo`
+#   scripts  benchmarks/bench_core.py and benchmarks/bench_dit.py
+# `bcg` runs from the installed wheels because workloads are found through entry points, which
+# need installed metadata. Logs and results go to $OUT (or ./device-out).
+# Usage on the GPU machine: tools/device_run.sh tests bench demo [-- extra bench args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-device-out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/bcg-site .whl/*.whl || exit 1
-PYTHONPATH=packages/bcg-core/src:packages/bcg-diffusion/src timeout 240 \
-  python3 -m pytest -p no:cacheprovider tests/core tests/diffusion -m cuda -q -rf > "$out/cuda_tests.log" 2>&1
-tail -5 "$out/cuda_tests.log"
-export PYTHONPATH=/tmp/bcg-site
-timeout 90 python3 -m bcg_core demo > "$out/demo.log" 2>&1; tail -3 "$out/demo.log"
-for w in break-overhead dit decoder; do
-  timeout 240 python3 -m bcg_core bench "$w" "$@" --json "$out/bench_$w.json" --plot "$out/bench_$w.png" \
-    > "$out/bench_$w.log" 2>&1
-  echo "bench $w: rc=$?"; tail -2 "$out/bench_$w.log"
+phases=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do phases+=("$1"); shift; done
+[ $# -gt 0 ] && shift  # what is left goes to `bcg bench`
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/bcg-site \
+  .whl/*.whl || exit 1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
+for phase in "${phases[@]}"; do
+  start=$SECONDS
+  case "$phase" in
+    tests)
+      timeout 240 tools/device_tests.sh -m cuda -q -rfE > "$out/cuda_tests.log" 2>&1
+      tail -4 "$out/cuda_tests.log" ;;
+    bench)
+      PYTHONPATH=/tmp/bcg-site timeout 360 python3 -m bcg_core bench "$@" \
+        --json "$out/bench.json" --plot "$out/bench.png" > "$out/bench.log" 2>&1
+      echo "bench rc=$?"; grep -E "WRONG|Error|error" "$out/bench.log" | head -5 ;;
+    demo)
+      PYTHONPATH=/tmp/bcg-site timeout 90 python3 -m bcg_core demo > "$out/demo.log" 2>&1
+      echo "demo rc=$?"; tail -1 "$out/demo.log" ;;
+    scripts)
+      export PYTHONPATH=packages/bcg-core/src:packages/bcg-diffusion/src
+      timeout 200 python3 benchmarks/bench_core.py --out "$out" > "$out/bench_core.log" 2>&1
+      echo "bench_core rc=$?"
+      timeout 120 python3 benchmarks/bench_dit.py --out "$out" > "$out/bench_dit.log" 2>&1
+      echo "bench_dit rc=$?"; unset PYTHONPATH ;;
+    *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+  echo "phase $phase: $((SECONDS - start)) s"
 done

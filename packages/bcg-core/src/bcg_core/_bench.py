@@ -36,7 +36,11 @@ class Stats:
 @dataclass
 class Contender:
     """One way of running a step. ``step`` is None when the contender cannot run here, with the
-    reason in ``skipped``; the other fields describe its capture, when it has one."""
+    reason in ``skipped``; the other fields describe its capture, when it has one.
+
+    ``keep_alive`` holds what a captured ``step`` reads by address (the eager step closing over
+    its inputs): a graph does not own its inputs, and replaying after they are freed reads
+    whatever the allocator put there since."""
 
     name: str
     step: Callable[[], object] | None
@@ -45,6 +49,7 @@ class Contender:
     pool_mb: float | None = None
     segments: int | None = None
     correct: bool | None = None
+    keep_alive: object = None
 
 
 @dataclass

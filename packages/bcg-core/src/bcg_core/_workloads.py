@@ -77,7 +77,12 @@ def full_graph_contender(
     graph.replay()
     assert isinstance(out, torch.Tensor)
     return Contender(
-        FULL_GRAPH, graph.replay, capture_ms=ms, segments=1, correct=_equal(out, reference)
+        FULL_GRAPH,
+        graph.replay,
+        capture_ms=ms,
+        segments=1,
+        correct=_equal(out, reference),
+        keep_alive=step,
     )
 
 
@@ -105,6 +110,7 @@ def bcg_contender(
         pool_mb=None if pool is None else pool / 2**20,
         segments=graph.num_segments,
         correct=_equal(out, reference),
+        keep_alive=step,
     )
 
 
@@ -227,7 +233,9 @@ def _peer_decoder(
     result, ms = ctx.timed(capture)
     graph.replay()
     assert isinstance(result, torch.Tensor)
-    return Contender(PEER, graph.replay, capture_ms=ms, correct=_equal(result, ref))
+    return Contender(
+        PEER, graph.replay, capture_ms=ms, correct=_equal(result, ref), keep_alive=step
+    )
 
 
 def break_overhead(ctx: BenchContext) -> list[Measurement]:
