@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -63,7 +63,9 @@ class GraphBackend(Protocol):
 
     def capture_info(self, stream: Any) -> CaptureInfo: ...
 
-    def synchronize(self) -> None: ...
+    def synchronize(self, streams: Sequence[Any] | None = None) -> None:
+        """Wait for ``streams``, or for the whole device when None."""
+        ...
 
     def recover_after_failure(self, pool: Any) -> None:
         """Undo what a capture that failed half-way leaves behind in the framework (allocator
@@ -173,8 +175,12 @@ class CudaBackend:
     def capture_info(self, stream: Any) -> CaptureInfo:
         return RUNTIME.capture_info(stream)
 
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
+    def synchronize(self, streams: Sequence[Any] | None = None) -> None:
+        if streams is None:
+            torch.cuda.synchronize()
+            return
+        for stream in streams:
+            stream.synchronize()
 
     def recover_after_failure(self, pool: Any) -> None:
         _recover(pool)

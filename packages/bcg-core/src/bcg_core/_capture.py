@@ -276,8 +276,11 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
         self.cuda_graph._begin_capture()
         stack = ExitStack()
         try:
-            # As torch.cuda.graph: start from an idle device and a collected heap.
-            backend.synchronize()
+            # As torch.cuda.graph: start from idle streams and a collected heap. Outside "global"
+            # mode another thread may be capturing, and a device-wide sync would wait on its
+            # capturing stream (not permitted), so only the streams this capture orders with.
+            whole_device = self._mode == "global"
+            backend.synchronize(None if whole_device else (backend.current_stream(), stream))
             gc.collect()
             state = CaptureState(
                 backend, stream, pool, self._mode, self._barrier_fn, self._auto_join

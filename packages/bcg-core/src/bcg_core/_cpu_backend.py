@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from typing import Any
@@ -193,7 +193,7 @@ class CpuBackend:
         status = CaptureStatus.INVALIDATED if segment.invalidated else CaptureStatus.ACTIVE
         return CaptureInfo(status, segment.capture_id)
 
-    def synchronize(self) -> None:
+    def synchronize(self, streams: Sequence[Any] | None = None) -> None:
         """Nothing to wait for: CPU work is synchronous."""
 
     def recover_after_failure(self, pool: Any) -> None:

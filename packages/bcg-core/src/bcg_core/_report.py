@@ -109,7 +109,15 @@ def print_table(title: str, measurements: Sequence[Measurement]) -> None:
 
 @contextmanager
 def progress(total_hint: str) -> Iterator[Callable[[str], None]]:
-    """A progress display for long runs; yields ``update(message)``."""
+    """A progress display for long runs; yields ``update(message)``. Into a log (stderr is not
+    a terminal) each message is its own line, so a crash shows what was running."""
+    if not sys.stderr.isatty():
+
+        def line(message: str) -> None:
+            print(f"[bcg] {message}", file=sys.stderr, flush=True)
+
+        yield line
+        return
     try:
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     except ImportError:
