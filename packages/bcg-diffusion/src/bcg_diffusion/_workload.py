@@ -8,6 +8,8 @@ a graph break.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from bcg_core import (
@@ -47,6 +49,14 @@ def dit_workload(ctx: BenchContext) -> list[Measurement]:
         out: torch.Tensor = compiled_model(latents, t, text)
         return out
 
+    def exact_output() -> torch.Tensor | None:
+        """The same weights and inputs in float32: what torch.compile is checked against."""
+        if ctx.smoke or not cuda:
+            return None
+        exact_model = ToyDiT(dataclasses.replace(cfg, dtype=torch.float32)).to(ctx.device).eval()
+        out: torch.Tensor = exact_model(latents.float(), t, text.float())
+        return out
+
     runner = DiTRunner(model, attention_classes=(DiTSelfAttention,), device=ctx.device)
     try:
         with torch.no_grad():
@@ -69,7 +79,8 @@ def dit_workload(ctx: BenchContext) -> list[Measurement]:
                 ctx.build("full_graph", lambda: full_graph_contender(ctx, step, reference)),
                 bcg,
                 ctx.build(
-                    "torch.compile", lambda: compile_contender(ctx, compiled_step, reference)
+                    "torch.compile",
+                    lambda: compile_contender(ctx, compiled_step, reference, exact_output()),
                 ),
             ]
             return ctx.compare("dit", f"{res}x{res} latents, {text_len} text tokens", contenders)
