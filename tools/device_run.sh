@@ -6,11 +6,13 @@
 #   demo     `bcg demo`
 #   scripts  benchmarks/bench_core.py and benchmarks/bench_dit.py
 # `bcg` runs from the installed wheels because workloads are found through entry points, which
-# need installed metadata. Logs and results go to $OUT (or ./device-out).
+# need installed metadata. Logs and results are written to a scratch folder and packed into
+# $OUT/results.tgz on exit (the device tool brings back at most 8 files).
 # Usage on the GPU machine: tools/device_run.sh tests bench demo [-- extra bench args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-device-out}"; mkdir -p "$out"
+dest="${OUT:-device-out}"; out=/tmp/bcg-results; rm -rf "$out"; mkdir -p "$dest" "$out"
+trap 'tar czf "$dest/results.tgz" -C "$out" .' EXIT
 export PYTHONUNBUFFERED=1
 phases=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do phases+=("$1"); shift; done
 [ $# -gt 0 ] && shift  # what is left goes to `bcg bench`
