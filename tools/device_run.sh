@@ -16,7 +16,7 @@ trap 'tar czf "$dest/results.tgz" -C "$out" .' EXIT
 export PYTHONUNBUFFERED=1
 phases=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do phases+=("$1"); shift; done
 [ $# -gt 0 ] && shift  # what is left goes to `bcg bench`
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/bcg-site \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/bcg-site \
   .whl/*.whl || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
 for phase in "${phases[@]}"; do

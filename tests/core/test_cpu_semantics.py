@@ -214,6 +214,25 @@ def test_bridge_rejects_structure_and_shape_changes() -> None:
         bridge.update((torch.zeros(2), torch.zeros(4)))
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_single_tensor_bridge_copies_checks_and_skips_in_place(grad: bool) -> None:
+    dst = torch.zeros(2, 3)
+    bridge = Bridge("one", dst)
+    with torch.set_grad_enabled(grad):
+        fresh = torch.arange(6.0, requires_grad=True).view(2, 3)
+        bridge.update(fresh)
+        assert torch.equal(dst, torch.arange(6.0).view(2, 3))
+        assert not dst.requires_grad  # the copy is never recorded by autograd
+        dst.fill_(5)
+        bridge.update(dst)  # already in the bridge: no copy, value kept
+        assert torch.equal(dst, torch.full((2, 3), 5.0))
+        bridge.update(dst.t().contiguous().t())  # same values, other storage: copied
+        with pytest.raises(BreakOutputError, match=r"'one'.*\(3, 2\).*\(2, 3\)"):
+            bridge.update(torch.zeros(3, 2))
+        with pytest.raises(BreakOutputError, match=r"torch\.float64"):
+            bridge.update(torch.zeros(2, 3, dtype=torch.float64))
+
+
 # -- capture-info parsing (cuda-bindings 12.x and 13.x result tuples) ---------------------------
 
 

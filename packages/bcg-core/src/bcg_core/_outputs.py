@@ -57,12 +57,16 @@ def contains_device_tensor(obj: Any, device_types: frozenset[str]) -> bool:
 class Bridge:
     """The strongly held capture-time output of one break point."""
 
-    __slots__ = ("_dst", "_name", "output")
+    __slots__ = ("_dst", "_name", "_single", "output")
 
     def __init__(self, name: str, output: Any) -> None:
         self._name = name
         self.output = output
         self._dst = tensor_leaves(output)
+        # The common case (one output tensor) is checked against metadata read once: the bridge
+        # owns its tensors, so their shape, dtype and address never change.
+        one = self._dst[0] if len(self._dst) == 1 else None
+        self._single = None if one is None else (one, one.shape, one.dtype, one.data_ptr())
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -73,13 +77,22 @@ class Bridge:
         several tensors; nothing for tensors that already live at the bridge's addresses."""
         if fresh is self.output or not self._dst:
             return
-        # Copies into the bridge are data movement, never part of an autograd graph.
-        with torch.no_grad():
+        # Copies into the bridge are data movement, never part of an autograd graph. Entering
+        # no_grad costs more than the copy's launch, so only when grad mode is on.
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                self._update(fresh)
+        else:
             self._update(fresh)
 
     def _update(self, fresh: Any) -> None:
-        if isinstance(fresh, torch.Tensor) and len(self._dst) == 1:
-            self._copy_one(self._dst[0], fresh, 0)
+        single = self._single
+        if single is not None and isinstance(fresh, torch.Tensor):
+            d, shape, dtype, ptr = single
+            if fresh.shape != shape or fresh.dtype != dtype:
+                self._check(d, fresh, 0)  # raises with the details
+            if fresh.data_ptr() != ptr or not _same_memory(d, fresh):
+                d.copy_(fresh)
             return
         src = tensor_leaves(fresh)
         if len(src) != len(self._dst):
@@ -98,11 +111,6 @@ class Bridge:
             dsts[0].copy_(srcs[0])
         elif dsts:
             torch._foreach_copy_(dsts, srcs)
-
-    def _copy_one(self, d: torch.Tensor, s: torch.Tensor, i: int) -> None:
-        self._check(d, s, i)
-        if not _same_memory(d, s):
-            d.copy_(s)
 
     def _check(self, d: torch.Tensor, s: torch.Tensor, i: int) -> None:
         if d.shape != s.shape or d.dtype != s.dtype:
