@@ -9,7 +9,6 @@ import os
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
-from contextvars import Token
 from types import TracebackType
 from typing import Any
 
@@ -253,7 +252,6 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
         self._barrier_fn = barrier_fn
         self._auto_join = auto_join
         self._state: CaptureState | None = None
-        self._token: Token[CaptureState | None] | None = None
         self._exit_stack: ExitStack | None = None
 
     def __enter__(self) -> BreakableCUDAGraphCapture:
