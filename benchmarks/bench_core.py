@@ -46,10 +46,10 @@ from bcg_core import (
     eager_on_graph,
     enable_breakable_cuda_graph,
 )
+from bcg_core.bench import ToyDecoder, bench_config
 
 # The toy decoder is a private module of bcg_core, kept out of the public API on purpose.
-from bcg_core._report import environment as bench_environment  # noqa: PLC2701
-from bcg_core._toy_decoder import ToyDecoder, bench_config  # noqa: PLC2701
+from bcg_core.bench import environment as bench_environment
 
 BREAK_COUNTS = (16, 64)
 BATCHES = (1, 8)

@@ -37,7 +37,7 @@ import bcg_core
 from bcg_core import BreakableCUDAGraph, BreakableCUDAGraphCapture, enable_breakable_cuda_graph
 
 # The toy decoder is a private module of bcg_core, kept out of the public API on purpose.
-from bcg_core._toy_decoder import ToyDecoder, tiny_config  # noqa: PLC2701
+from bcg_core.bench import ToyDecoder, tiny_config
 
 TARGET = 2.0
 BATCH = 1

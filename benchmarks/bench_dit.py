@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from bcg_core._report import environment  # noqa: PLC2701
+from bcg_core.bench import environment
 from bcg_diffusion import DiTRunner
 from bcg_diffusion._toy_dit import DiTConfig, DiTSelfAttention, ToyDiT  # noqa: PLC2701
 

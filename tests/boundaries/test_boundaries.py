@@ -83,3 +83,26 @@ def test_diffusion_importing_core_private_name_fails(tree: Path) -> None:
     assert "PLC2701" in result.stdout
     assert "planted.py" in result.stdout
     assert "_secret" in result.stdout
+
+
+def test_diffusion_importing_core_bench_passes(tree: Path) -> None:
+    # bcg_core.bench is the public door for workload plugins.
+    _plant(
+        tree, "bcg_diffusion", "planted.py", "from bcg_core.bench import Contender  # noqa: F401\n"
+    )
+    result = _check(tree)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("statement", "target"),
+    [
+        ("from bcg_core.bench import _harness", "bcg_core.bench._harness"),
+        ("import bcg_core._backends.cuda", "bcg_core._backends.cuda"),
+    ],
+)
+def test_diffusion_importing_core_internals_fails(tree: Path, statement: str, target: str) -> None:
+    _plant(tree, "bcg_diffusion", "planted.py", f"{statement}  # noqa: F401\n")
+    result = _check(tree)
+    assert result.returncode == 1
+    assert f"bcg_diffusion.planted -> {target}" in result.stdout

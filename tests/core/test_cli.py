@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bcg_core._cli import main  # noqa: PLC2701
-from bcg_core._workloads import discover  # noqa: PLC2701
+from bcg_core.bench import main
+from bcg_core.bench._workloads import discover  # noqa: PLC2701
 
 MODEL = """
 import torch

@@ -35,12 +35,12 @@ from bcg_core import (
     get_current_stream,
     is_breakable_capture_active,
 )
-from bcg_core._backend import backend_for  # noqa: PLC2701
+from bcg_core._backends import backend_for  # noqa: PLC2701
+from bcg_core._backends.cpu import CpuBackend, CpuStream  # noqa: PLC2701
 from bcg_core._check import CaptureReport  # noqa: PLC2701
-from bcg_core._cpu_backend import CpuBackend, CpuStream  # noqa: PLC2701
 from bcg_core._errors import HostSyncError  # noqa: PLC2701
 from bcg_core._streams import hooks_installed  # noqa: PLC2701
-from bcg_core._toy_decoder import ToyDecoder, tiny_config  # noqa: PLC2701
+from bcg_core.bench import ToyDecoder, tiny_config
 
 REPLAYS = 4
 

@@ -29,12 +29,9 @@ from bcg_core import (
     is_in_breakable_cuda_graph,
 )
 from bcg_core._aliases import alias_tensor, alias_tree  # noqa: PLC2701
-from bcg_core._cudart import (  # noqa: PLC2701
-    CaptureStatus,
-    CudaRuntimeError,
-    parse_capture_info,
-)
-from bcg_core._outputs import Bridge, tensor_leaves  # noqa: PLC2701
+from bcg_core._backends import CaptureStatus, backend_for  # noqa: PLC2701
+from bcg_core._backends.cudart import CudaRuntimeError, parse_capture_info  # noqa: PLC2701
+from bcg_core._bridges import Bridge, tensor_leaves  # noqa: PLC2701
 from bcg_core._streams import hooks_installed, stream_hooks  # noqa: PLC2701
 
 # -- runtime flag ------------------------------------------------------------------------------
@@ -307,12 +304,12 @@ def test_capture_without_cuda_fails_cleanly() -> None:
 
 def test_stream_hooks_are_refcounted_and_removed() -> None:
     record = torch.cuda.Event.record
-    with stream_hooks():
-        with stream_hooks():
+    with stream_hooks(backend_for("cuda")):
+        with stream_hooks(backend_for("cuda")):
             assert torch.cuda.Event.record is not record
         assert hooks_installed()
     assert not hooks_installed()
     assert torch.cuda.Event.record is record
-    with pytest.raises(KeyError), stream_hooks():
+    with pytest.raises(KeyError), stream_hooks(backend_for("cuda")):
         raise KeyError("x")
     assert torch.cuda.Event.record is record

@@ -188,7 +188,7 @@ def test_runner_without_cuda_runs_eagerly_with_one_notice(caplog: pytest.LogCapt
 def test_dit_workload_is_discovered_through_the_entry_point() -> None:
     import importlib.metadata
 
-    from bcg_core._workloads import discover  # noqa: PLC2701
+    from bcg_core.bench._workloads import discover  # noqa: PLC2701
 
     try:
         importlib.metadata.distribution("bcg-diffusion")

@@ -11,7 +11,6 @@ Capture a forward as CUDA graph segments separated by eager break points::
 See DESIGN.md for the invariants (pool ownership, what a break may return, side streams).
 """
 
-from bcg_core._bench import BenchContext, Contender, Measurement, Stats
 from bcg_core._breaks import break_graph, eager_on_graph
 from bcg_core._capture import BreakableCUDAGraphCapture
 from bcg_core._check import check_capture
@@ -29,32 +28,25 @@ from bcg_core._graph import BreakableCUDAGraph
 from bcg_core._runner import BreakableGraphRunner, EntryStats, RunnerStats
 from bcg_core._signature import describe_difference, signature_of
 from bcg_core._version import __version__
-from bcg_core._workloads import compile_contender, full_graph_contender
 
 __all__ = [
     "BCG_FAILURE_HINT",
-    "BenchContext",
     "BreakOutputError",
     "BreakableCUDAGraph",
     "BreakableCUDAGraphCapture",
     "BreakableGraphError",
     "BreakableGraphRunner",
     "CaptureError",
-    "Contender",
     "EntryStats",
-    "Measurement",
     "ReplayError",
     "RunnerStats",
-    "Stats",
     "UnjoinedStreamError",
     "__version__",
     "break_graph",
     "check_capture",
-    "compile_contender",
     "describe_difference",
     "eager_on_graph",
     "enable_breakable_cuda_graph",
-    "full_graph_contender",
     "get_current_stream",
     "is_breakable_capture_active",
     "is_in_breakable_cuda_graph",

@@ -2,6 +2,6 @@
 
 import sys
 
-from bcg_core._cli import main
+from bcg_core.bench import main
 
 sys.exit(main())

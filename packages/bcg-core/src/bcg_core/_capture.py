@@ -13,12 +13,11 @@ from types import TracebackType
 from typing import Any
 
 from bcg_core._aliases import alias_tree
-from bcg_core._backend import GraphBackend, Segment
+from bcg_core._backends import CaptureStatus, GraphBackend, Segment
+from bcg_core._bridges import Bridge, contains_device_tensor
 from bcg_core._context import active_capture, enter_capture, exit_capture
-from bcg_core._cudart import CaptureStatus
 from bcg_core._errors import BreakOutputError, CaptureError, UnjoinedStreamError
 from bcg_core._graph import BreakableCUDAGraph, BreakStep, SegmentStep, Step
-from bcg_core._outputs import Bridge, contains_device_tensor
 from bcg_core._streams import StreamTracker, stream_hooks
 
 logger = logging.getLogger("bcg_core")
@@ -181,6 +180,7 @@ class CaptureState:
                 kwargs=alias_tree(kwargs),
                 bridge=Bridge(name, output),
                 side_streams=side_streams,
+                backend=self.backend,
             )
         )
         self.begin_segment()
@@ -284,7 +284,7 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
                 backend, stream, pool, self._mode, self._barrier_fn, self._auto_join
             )
             stack.enter_context(backend.stream_context(stream))
-            stack.enter_context(stream_hooks())
+            stack.enter_context(stream_hooks(backend))
             token = enter_capture(state, stream.cuda_stream)
             stack.callback(exit_capture, token, stream.cuda_stream)
             state.begin_segment()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bcg_core._backend import backend_for
+from bcg_core._backends import backend_for
 
 if TYPE_CHECKING:
     from bcg_core._capture import CaptureState
@@ -31,12 +31,18 @@ def active_capture() -> CaptureState | None:
     state = _CAPTURE.get()
     if state is not None or not _by_stream:
         return state
-    try:
-        handle = torch.cuda.current_stream().cuda_stream
-    except (RuntimeError, AssertionError):
-        return None
     with _registry_lock:
-        return _by_stream.get(handle)
+        backends = {state.backend.name: state.backend for state in _by_stream.values()}
+    for backend in backends.values():
+        try:
+            handle = backend.current_stream().cuda_stream
+        except (RuntimeError, AssertionError):
+            continue
+        with _registry_lock:
+            found = _by_stream.get(handle)
+        if found is not None:
+            return found
+    return None
 
 
 def enter_capture(state: CaptureState, stream_handle: int) -> Token[CaptureState | None]:
@@ -64,10 +70,11 @@ def get_current_stream(device: torch.device | str | int | None = None) -> Any:
     if state is not None:
         return state.stream
     # Replay runs on the caller's current stream and never switches, so this is the replay stream.
+    cuda = backend_for("cuda")
     try:
-        return torch.cuda.current_stream(device)
+        return cuda.current_stream(device)
     except (AssertionError, RuntimeError):
-        if torch.cuda.is_available():
+        if cuda.is_available():
             raise
         # No usable CUDA: CPU graphs replay on the CPU backend's current stream.
         return backend_for("cpu").current_stream(device)

@@ -9,12 +9,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
-
-from bcg_core._backend import GraphBackend, Segment, backend_for
+from bcg_core._backends import GraphBackend, Segment, backend_for
+from bcg_core._bridges import Bridge
 from bcg_core._context import active_capture
 from bcg_core._errors import CaptureError, ReplayError
-from bcg_core._outputs import Bridge
 
 
 @dataclass(frozen=True)
@@ -36,12 +34,13 @@ class BreakStep:
     kwargs: dict[str, Any]
     bridge: Bridge
     side_streams: tuple[Any, ...]
+    backend: GraphBackend
     kind: Literal["break"] = "break"
 
     def run(self) -> None:
         self.bridge.update(self.fn(*self.args, **self.kwargs))
         if self.side_streams:
-            stream = torch.cuda.current_stream()
+            stream = self.backend.current_stream()
             for side in self.side_streams:
                 stream.wait_stream(side)
 
@@ -115,6 +114,11 @@ class BreakableCUDAGraph:
             if self._pool is None:
                 self._pool = self._backend.new_pool()
             return self._pool
+
+    def pool_bytes(self) -> int | None:
+        """Bytes the allocator holds in this graph's pool right now (shared with every graph
+        that uses the pool), or None where the backend cannot tell (CPU)."""
+        return self._backend.pool_bytes(self.pool())
 
     def replay(self) -> None:
         """Launch every non-empty segment and run every break, in capture order."""

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from bcg_core._aliases import map_tree
-from bcg_core._backend import backend_for, pool_id
+from bcg_core._backends import backend_for
 from bcg_core._capture import BreakableCUDAGraphCapture
 from bcg_core._flag import enable_breakable_cuda_graph
 from bcg_core._graph import BreakableCUDAGraph
@@ -66,18 +66,6 @@ class _Entry:
 def _sorted(kwargs: dict[str, Any]) -> dict[str, Any]:
     # Signatures sort keyword arguments, so static buffers follow the same order.
     return dict(sorted(kwargs.items()))
-
-
-def pool_bytes(pool: Any) -> int | None:
-    try:
-        segments: list[dict[str, Any]] = torch.cuda.memory.memory_snapshot()  # type: ignore[no-untyped-call]
-    except (RuntimeError, AttributeError):
-        return None
-    return sum(
-        int(s["total_size"])
-        for s in segments
-        if tuple(s.get("segment_pool_id", ())) == tuple(pool_id(pool))
-    )
 
 
 class BreakableGraphRunner:
@@ -221,7 +209,7 @@ class BreakableGraphRunner:
     def _can_graph(self) -> bool:
         if self.disabled_reason is not None:
             return False
-        if self.device.type == "cuda" and not torch.cuda.is_available():
+        if not self._graph_backend.is_available():
             if not self._no_cuda_noticed:
                 self._no_cuda_noticed = True
                 logger.warning(
@@ -288,7 +276,7 @@ class BreakableGraphRunner:
             static_kwargs=static_kwargs,
             output=output,
             keep_alive=identity_objects(args, kwargs),
-            pool_bytes=pool_bytes(graph.pool()) if backend.device_type == "cuda" else None,
+            pool_bytes=graph.pool_bytes(),
         )
         self._counts["captures"] += 1
         self._entries[sig] = entry

@@ -2,48 +2,46 @@
 
 CUDA requires every stream forked from the capturing stream to be joined back before the capture
 ends, and a break point's side-stream work must finish before the next segment reads its results.
-Both need to know which streams were used, so while any breakable capture is active a few torch
-entry points are wrapped: ``Event.record`` and ``Event.wait`` (which ``Stream.record_event``,
-``Stream.wait_event`` and ``Stream.wait_stream`` go through) and ``torch.cuda.set_stream`` (which
-``torch.cuda.stream`` goes through). The wrappers call the original first and then report to
-the tracker of the capture found in the caller's context; outside a capture they only forward.
+Both need to know which streams were used, so while any breakable capture is active the backend
+wraps its stream and event entry points (for CUDA: ``Event.record``, ``Event.wait`` and
+``torch.cuda.set_stream``, see ``_backends/cuda.py``) and reports each use to the tracker of the
+capture found in the caller's context; outside a capture the wrappers only forward.
 
-The wrappers are installed refcounted under a lock (several threads may capture at once) and
-always removed when the last capture exits, however it exits.
+The wrappers are installed refcounted per backend under a lock (several threads may capture at
+once) and always removed when that backend's last capture exits, however it exits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-
+from bcg_core._backends import GraphBackend
 from bcg_core._context import active_capture
 
 
 class StreamTracker:
     """Forks and joins seen in the current segment, and streams touched by the current break."""
 
-    def __init__(self, origin: torch.cuda.Stream) -> None:
+    def __init__(self, origin: Any) -> None:
         self.origin = origin
         self._origin = origin.cuda_stream
-        self._forked: dict[int, torch.cuda.Stream] = {}
-        self._ever_forked: dict[int, torch.cuda.Stream] = {}
+        self._forked: dict[int, Any] = {}
+        self._ever_forked: dict[int, Any] = {}
         self._events: dict[int, tuple[Any, int]] = {}
-        self._break: dict[int, torch.cuda.Stream] | None = None
+        self._break: dict[int, Any] | None = None
 
     def begin_segment(self) -> None:
         self._forked.clear()
         self._ever_forked.clear()
         self._events.clear()
 
-    def unjoined(self) -> list[torch.cuda.Stream]:
+    def unjoined(self) -> list[Any]:
         return list(self._forked.values())
 
-    def forked_this_segment(self) -> list[torch.cuda.Stream]:
+    def forked_this_segment(self) -> list[Any]:
         return list(self._ever_forked.values())
 
     def join_all(self) -> None:
@@ -54,17 +52,17 @@ class StreamTracker:
     def begin_break(self) -> None:
         self._break = {}
 
-    def end_break(self) -> tuple[torch.cuda.Stream, ...]:
+    def end_break(self) -> tuple[Any, ...]:
         touched = tuple(self._break.values()) if self._break is not None else ()
         self._break = None
         return touched
 
-    def on_record(self, event: Any, stream: torch.cuda.Stream) -> None:
+    def on_record(self, event: Any, stream: Any) -> None:
         # Keep the event object alive while its id is a key, so ids cannot be recycled.
         self._events[id(event)] = (event, stream.cuda_stream)
         self._touch(stream)
 
-    def on_wait(self, stream: torch.cuda.Stream, event: Any) -> None:
+    def on_wait(self, stream: Any, event: Any) -> None:
         self._touch(stream)
         record = self._events.get(id(event))
         if record is None or self._break is not None:
@@ -76,10 +74,10 @@ class StreamTracker:
             self._forked[dst] = stream
             self._ever_forked[dst] = stream
 
-    def on_set_stream(self, stream: torch.cuda.Stream) -> None:
+    def on_set_stream(self, stream: Any) -> None:
         self._touch(stream)
 
-    def _touch(self, stream: torch.cuda.Stream) -> None:
+    def _touch(self, stream: Any) -> None:
         if self._break is not None and stream.cuda_stream != self._origin:
             self._break[stream.cuda_stream] = stream
 
@@ -90,64 +88,31 @@ def _tracker() -> StreamTracker | None:
 
 
 _lock = threading.Lock()
-_refcount = 0
-_originals: dict[str, Any] = {}
-
-
-def _install() -> None:
-    record = torch.cuda.Event.record
-    wait = torch.cuda.Event.wait
-    set_stream = torch.cuda.set_stream
-    _originals.update(record=record, wait=wait, set_stream=set_stream)
-
-    def event_record(self: Any, stream: Any = None) -> None:
-        record(self, stream)
-        tracker = _tracker()
-        if tracker is not None:
-            tracker.on_record(self, stream if stream is not None else torch.cuda.current_stream())
-
-    def event_wait(self: Any, stream: Any = None) -> None:
-        wait(self, stream)
-        tracker = _tracker()
-        if tracker is not None:
-            tracker.on_wait(stream if stream is not None else torch.cuda.current_stream(), self)
-
-    def set_stream_hook(stream: Any) -> None:
-        set_stream(stream)
-        tracker = _tracker()
-        if tracker is not None and stream is not None:
-            tracker.on_set_stream(stream)
-
-    torch.cuda.Event.record = event_record  # type: ignore[method-assign]
-    torch.cuda.Event.wait = event_wait  # type: ignore[method-assign]
-    torch.cuda.set_stream = set_stream_hook
-
-
-def _uninstall() -> None:
-    torch.cuda.Event.record = _originals["record"]  # type: ignore[method-assign]
-    torch.cuda.Event.wait = _originals["wait"]  # type: ignore[method-assign]
-    torch.cuda.set_stream = _originals["set_stream"]
-    _originals.clear()
+# backend name -> (refcount, the function that removes its hooks)
+_installed: dict[str, tuple[int, Callable[[], None]]] = {}
 
 
 @contextlib.contextmanager
-def stream_hooks() -> Iterator[None]:
-    """Install the stream/event wrappers for the enclosed block (refcounted, always removed)."""
-    global _refcount
+def stream_hooks(backend: GraphBackend) -> Iterator[None]:
+    """Install ``backend``'s stream/event wrappers for the enclosed block (refcounted, always
+    removed)."""
     with _lock:
-        if _refcount == 0:
-            _install()
-        _refcount += 1
+        count, uninstall = _installed.get(backend.name, (0, None))
+        if uninstall is None:
+            uninstall = backend.install_stream_hooks(_tracker)
+        _installed[backend.name] = (count + 1, uninstall)
     try:
         yield
     finally:
         with _lock:
-            _refcount -= 1
-            if _refcount == 0:
-                _uninstall()
+            count, uninstall = _installed.pop(backend.name)
+            if count > 1:
+                _installed[backend.name] = (count - 1, uninstall)
+            else:
+                uninstall()
 
 
 def hooks_installed() -> bool:
-    """Whether the wrappers are in place right now (for tests and diagnostics)."""
+    """Whether any backend's wrappers are in place right now (for tests and diagnostics)."""
     with _lock:
-        return _refcount > 0
+        return bool(_installed)

@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from bcg_core import (
+from bcg_core.bench import (
     BenchContext,
     Contender,
     Measurement,

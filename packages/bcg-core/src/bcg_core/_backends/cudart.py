@@ -12,31 +12,14 @@ If cuda-bindings is missing or cannot talk to the driver, the status comes from 
 
 from __future__ import annotations
 
-import enum
 import threading
 import warnings
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 
-
-class CaptureStatus(enum.IntEnum):
-    """Mirror of ``cudaStreamCaptureStatus``."""
-
-    NONE = 0
-    ACTIVE = 1
-    INVALIDATED = 2
-
-
-@dataclass(frozen=True)
-class CaptureInfo:
-    """What the runtime says about one stream. ``graph`` is the runtime's handle, or None."""
-
-    status: CaptureStatus
-    capture_id: int | None = None
-    graph: Any = None
+from bcg_core._backends.seam import CaptureInfo, CaptureStatus
 
 
 class CudaRuntimeError(RuntimeError):

@@ -14,13 +14,14 @@ from typing import Any
 
 import torch
 
-from bcg_core._bench import EAGER, FULL_GRAPH, BenchContext, Contender, Measurement
-from bcg_core._breaks import eager_on_graph
-from bcg_core._capture import BreakableCUDAGraphCapture
-from bcg_core._flag import enable_breakable_cuda_graph
-from bcg_core._graph import BreakableCUDAGraph
-from bcg_core._runner import pool_bytes
-from bcg_core._toy_decoder import DecoderConfig, ToyDecoder, attention_core, tiny_config
+from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    eager_on_graph,
+    enable_breakable_cuda_graph,
+)
+from bcg_core.bench._harness import EAGER, FULL_GRAPH, BenchContext, Contender, Measurement
+from bcg_core.bench._toy_decoder import DecoderConfig, ToyDecoder, attention_core, tiny_config
 
 WORKLOAD_GROUP = "bcg.workloads"
 Workload = Callable[[BenchContext], list[Measurement]]
@@ -104,7 +105,7 @@ def bcg_contender(
         out, ms = ctx.timed(capture)
     graph.replay()
     assert isinstance(out, torch.Tensor)
-    pool = pool_bytes(graph.pool()) if device.type == "cuda" else None
+    pool = graph.pool_bytes()
     return Contender(
         "bcg",
         graph.replay,

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from bcg_core._bench import EAGER, BenchContext, Contender, Measurement
-from bcg_core._check import check_capture
-from bcg_core._report import print_table, progress, write_json, write_plot
-from bcg_core._toy_decoder import ToyDecoder, tiny_config
-from bcg_core._workloads import (
+from bcg_core import check_capture
+from bcg_core.bench._harness import EAGER, BenchContext, Contender, Measurement
+from bcg_core.bench._report import print_table, progress, write_json, write_plot
+from bcg_core.bench._toy_decoder import ToyDecoder, tiny_config
+from bcg_core.bench._workloads import (
     bcg_contender,
     cli_decoder_config,
     decode_step,

@@ -30,8 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bcg_core._breaks import eager_on_graph
-from bcg_core._flag import is_in_breakable_cuda_graph
+from bcg_core import eager_on_graph, is_in_breakable_cuda_graph
 
 __all__ = [
     "Attention",

@@ -1,8 +1,8 @@
 """The CPU graph backend: breakable graphs on CPU tensors, with CUDA graph capture rules.
 
 A CPU "graph" segment is the list of aten operations the segment issued, recorded at the
-dispatch level (see ``_recorder.py``), replayed by re-running them against the same storage.
-It implements the ``Segment`` and ``GraphBackend`` protocols of ``_backend.py``, so capture and
+dispatch level (see ``cpu_recorder.py``), replayed by re-running them against the same storage.
+It implements the ``Segment`` and ``GraphBackend`` protocols of ``seam.py``, so capture and
 replay code runs unchanged: ``BreakableCUDAGraph(backend="cpu")``, ``backend_for("cpu")`` and
 ``BreakableGraphRunner(device="cpu")`` select it.
 
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from bcg_core._cudart import CaptureInfo, CaptureStatus
+from bcg_core._backends.cpu_recorder import Recorder, Step
+from bcg_core._backends.seam import CaptureInfo, CaptureStatus, StreamObserver
 from bcg_core._errors import CaptureError, HostSyncError
-from bcg_core._recorder import Recorder, Step
 
 _stream_ids = itertools.count(1)
 
@@ -168,6 +168,9 @@ class CpuBackend:
     name = "cpu"
     device_type = "cpu"
 
+    def is_available(self) -> bool:
+        return True
+
     def check_available(self) -> None:
         """Always available."""
 
@@ -198,6 +201,18 @@ class CpuBackend:
 
     def recover_after_failure(self, pool: Any) -> None:
         """Nothing is routed to CPU pools."""
+
+    def install_stream_hooks(self, observer: StreamObserver) -> Callable[[], None]:
+        """CPU streams are synchronous stand-ins: there is nothing to fork, join or wait for."""
+        return _no_hooks
+
+    def pool_bytes(self, pool: Any) -> int | None:
+        """Unknown: a CPU pool is a token (its segments hold their tensors)."""
+        return None
+
+
+def _no_hooks() -> None:
+    """Nothing was installed."""
 
 
 __all__ = ["CpuBackend", "CpuPool", "CpuSegment", "CpuStream", "current_cpu_stream"]

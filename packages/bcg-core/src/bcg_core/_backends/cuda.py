@@ -1,9 +1,6 @@
-"""The graph backend seam: everything the capture logic asks of a device, in one place.
-
-Capture and replay code never touches ``torch.cuda`` directly for graph objects, pools, streams or
-capture status; it asks a :class:`GraphBackend`. The CUDA backend below wraps
-``torch.cuda.CUDAGraph``; the CPU graph backend (``_cpu_backend.py``) implements the same two
-protocols, and ``torch.accelerator.Graph`` could too.
+"""The CUDA graph backend: ``torch.cuda.CUDAGraph`` segments, anchored private pools, CUDA
+streams, capture status through cuda-bindings (``cudart.py``), and the stream/event hooks that
+tell a capture which side streams were used.
 """
 
 from __future__ import annotations
@@ -12,71 +9,13 @@ import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from bcg_core._cpu_backend import CpuBackend
-from bcg_core._cudart import RUNTIME, CaptureInfo, CaptureStatus
+from bcg_core._backends.cudart import RUNTIME
+from bcg_core._backends.seam import CaptureInfo, StreamObserver, pool_id
 from bcg_core._errors import CaptureError
-
-
-class Segment(Protocol):
-    """One captured graph segment."""
-
-    @property
-    def empty(self) -> bool:
-        """True when the capture recorded no work (the segment is never launched)."""
-        ...
-
-    def capture_begin(self, pool: Any, capture_error_mode: str) -> None: ...
-
-    def capture_end(self) -> None: ...
-
-    def launcher(self) -> Callable[[], None]:
-        """The cheapest callable that replays this segment (used by replay plans)."""
-        ...
-
-    def reset(self) -> None: ...
-
-
-class GraphBackend(Protocol):
-    """Device services used by capture and replay."""
-
-    name: str
-    device_type: str
-    """The ``torch.device`` type of the tensors this backend captures ("cuda", "cpu")."""
-
-    def check_available(self) -> None:
-        """Raise :class:`CaptureError` saying what to do when this backend cannot capture."""
-        ...
-
-    def new_segment(self) -> Segment: ...
-
-    def new_pool(self) -> Any: ...
-
-    def new_stream(self, device: Any = None) -> Any: ...
-
-    def current_stream(self, device: Any = None) -> Any: ...
-
-    def stream_context(self, stream: Any) -> AbstractContextManager[Any]: ...
-
-    def capture_info(self, stream: Any) -> CaptureInfo: ...
-
-    def synchronize(self, streams: Sequence[Any] | None = None) -> None:
-        """Wait for ``streams``, or for the whole device when None."""
-        ...
-
-    def recover_after_failure(self, pool: Any) -> None:
-        """Undo what a capture that failed half-way leaves behind in the framework (allocator
-        routing to the pool, random generators stuck in capture mode)."""
-        ...
-
-
-def pool_id(pool: Any) -> Any:
-    """The allocator id of a pool given as a :class:`CudaPool` (or anything with ``.id``, such
-    as ``torch.cuda.MemPool``) or as a bare id tuple from ``torch.cuda.graph_pool_handle()``."""
-    return getattr(pool, "id", pool)
 
 
 class CudaPool:
@@ -149,6 +88,9 @@ class CudaBackend:
     name = "cuda"
     device_type = "cuda"
 
+    def is_available(self) -> bool:
+        return torch.cuda.is_available()
+
     def check_available(self) -> None:
         if not torch.cuda.is_available():
             raise CaptureError(
@@ -185,6 +127,20 @@ class CudaBackend:
     def recover_after_failure(self, pool: Any) -> None:
         _recover(pool)
 
+    def install_stream_hooks(self, observer: StreamObserver) -> Callable[[], None]:
+        return _install_stream_hooks(observer)
+
+    def pool_bytes(self, pool: Any) -> int | None:
+        try:
+            segments: list[dict[str, Any]] = torch.cuda.memory.memory_snapshot()  # type: ignore[no-untyped-call]
+        except (RuntimeError, AttributeError):
+            return None
+        return sum(
+            int(s["total_size"])
+            for s in segments
+            if tuple(s.get("segment_pool_id", ())) == tuple(pool_id(pool))
+        )
+
 
 def _recover(pool: Any) -> None:
     _end_pool_routing(pool)
@@ -215,26 +171,39 @@ def _end_pool_routing(pool: Any) -> None:
         end(torch.cuda.current_device(), pool_id(pool))
 
 
-_BACKENDS: dict[str, GraphBackend] = {"cuda": CudaBackend(), "cpu": CpuBackend()}
+def _install_stream_hooks(observer: StreamObserver) -> Callable[[], None]:
+    # Event.record/Event.wait are what Stream.record_event, Stream.wait_event and
+    # Stream.wait_stream go through; set_stream is what torch.cuda.stream goes through. Each
+    # wrapper calls the original first, then reports to the capture found in the caller's context.
+    record = torch.cuda.Event.record
+    wait = torch.cuda.Event.wait
+    set_stream = torch.cuda.set_stream
 
+    def event_record(self: Any, stream: Any = None) -> None:
+        record(self, stream)
+        events = observer()
+        if events is not None:
+            events.on_record(self, stream if stream is not None else torch.cuda.current_stream())
 
-def backend_for(device_type: str = "cuda") -> GraphBackend:
-    """The backend for a device type: "cuda" or "cpu"."""
-    backend = _BACKENDS.get(device_type)
-    if backend is None:
-        raise CaptureError(
-            f"no breakable graph backend for device type {device_type!r} "
-            f"(there are: {', '.join(sorted(_BACKENDS))})"
-        )
-    return backend
+    def event_wait(self: Any, stream: Any = None) -> None:
+        wait(self, stream)
+        events = observer()
+        if events is not None:
+            events.on_wait(stream if stream is not None else torch.cuda.current_stream(), self)
 
+    def set_stream_hook(stream: Any) -> None:
+        set_stream(stream)
+        events = observer()
+        if events is not None and stream is not None:
+            events.on_set_stream(stream)
 
-__all__ = [
-    "CaptureStatus",
-    "CudaBackend",
-    "CudaPool",
-    "GraphBackend",
-    "Segment",
-    "backend_for",
-    "pool_id",
-]
+    torch.cuda.Event.record = event_record  # type: ignore[method-assign]
+    torch.cuda.Event.wait = event_wait  # type: ignore[method-assign]
+    torch.cuda.set_stream = set_stream_hook
+
+    def uninstall() -> None:
+        torch.cuda.Event.record = record  # type: ignore[method-assign]
+        torch.cuda.Event.wait = wait  # type: ignore[method-assign]
+        torch.cuda.set_stream = set_stream
+
+    return uninstall

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from bcg_core._bench import Measurement, Stats
-from bcg_core._version import __version__
+from bcg_core import __version__
+from bcg_core.bench._harness import Measurement, Stats
 
 COLUMNS = (
     "workload", "case", "contender", "us/step median [min-max]", "x full graph", "x eager",

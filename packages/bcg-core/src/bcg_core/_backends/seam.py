@@ -1,0 +1,119 @@
+"""The graph backend seam: everything capture and replay ask of a device, as two protocols.
+
+Runtime code (graph, capture, breaks, context, streams, runner) reaches the device only through
+a :class:`GraphBackend` picked by ``backend_for`` (``_backends/__init__.py``); each backend module
+implements these protocols and imports none of the others. ``CaptureStatus``/``CaptureInfo`` are
+the shared vocabulary of capture-status queries (CUDA's ``cudaStreamCaptureStatus``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class CaptureStatus(enum.IntEnum):
+    """Mirror of ``cudaStreamCaptureStatus``."""
+
+    NONE = 0
+    ACTIVE = 1
+    INVALIDATED = 2
+
+
+@dataclass(frozen=True)
+class CaptureInfo:
+    """What the runtime says about one stream. ``graph`` is the runtime's handle, or None."""
+
+    status: CaptureStatus
+    capture_id: int | None = None
+    graph: Any = None
+
+
+class StreamEvents(Protocol):
+    """What a capture learns from stream hooks (implemented by ``_streams.StreamTracker``)."""
+
+    def on_record(self, event: Any, stream: Any) -> None: ...
+
+    def on_wait(self, stream: Any, event: Any) -> None: ...
+
+    def on_set_stream(self, stream: Any) -> None: ...
+
+
+StreamObserver = Callable[[], "StreamEvents | None"]
+"""Returns the tracker of the capture running in the caller's context, or None."""
+
+
+class Segment(Protocol):
+    """One captured graph segment."""
+
+    @property
+    def empty(self) -> bool:
+        """True when the capture recorded no work (the segment is never launched)."""
+        ...
+
+    def capture_begin(self, pool: Any, capture_error_mode: str) -> None: ...
+
+    def capture_end(self) -> None: ...
+
+    def launcher(self) -> Callable[[], None]:
+        """The cheapest callable that replays this segment (used by replay plans)."""
+        ...
+
+    def reset(self) -> None: ...
+
+
+class GraphBackend(Protocol):
+    """Device services used by capture and replay."""
+
+    name: str
+    device_type: str
+    """The ``torch.device`` type of the tensors this backend captures ("cuda", "cpu")."""
+
+    def is_available(self) -> bool:
+        """Whether this backend can capture on this machine."""
+        ...
+
+    def check_available(self) -> None:
+        """Raise :class:`CaptureError` saying what to do when this backend cannot capture."""
+        ...
+
+    def new_segment(self) -> Segment: ...
+
+    def new_pool(self) -> Any: ...
+
+    def new_stream(self, device: Any = None) -> Any: ...
+
+    def current_stream(self, device: Any = None) -> Any: ...
+
+    def stream_context(self, stream: Any) -> AbstractContextManager[Any]: ...
+
+    def capture_info(self, stream: Any) -> CaptureInfo: ...
+
+    def synchronize(self, streams: Sequence[Any] | None = None) -> None:
+        """Wait for ``streams``, or for the whole device when None."""
+        ...
+
+    def recover_after_failure(self, pool: Any) -> None:
+        """Undo what a capture that failed half-way leaves behind in the framework (allocator
+        routing to the pool, random generators stuck in capture mode)."""
+        ...
+
+    def install_stream_hooks(self, observer: StreamObserver) -> Callable[[], None]:
+        """Wrap the framework's stream and event entry points so that each use is reported to
+        ``observer()`` (when it returns one); return the function that undoes it. Called once
+        per process at a time, under the runtime's lock (``_streams.py`` refcounts it)."""
+        ...
+
+    def pool_bytes(self, pool: Any) -> int | None:
+        """Bytes the allocator holds for ``pool`` right now, or None when unknown."""
+        ...
+
+
+def pool_id(pool: Any) -> Any:
+    """The allocator id of a pool given as a pool object (anything with ``.id``, such as
+    ``CudaPool`` or ``torch.cuda.MemPool``) or as a bare id tuple from
+    ``torch.cuda.graph_pool_handle()``."""
+    return getattr(pool, "id", pool)

@@ -1,0 +1,34 @@
+"""bcg_core.bench: the harness behind ``bcg bench``, public so that workload plugins can use it.
+
+A workload is a function ``(BenchContext) -> list[Measurement]`` registered under the
+``bcg.workloads`` entry-point group (bcg-diffusion's ``dit`` is one). The harness times every
+contender of a case interleaved, repeat by repeat, and takes ratios to eager and to one full
+CUDA graph per repeat; ``full_graph_contender`` and ``compile_contender`` build the two
+reference contenders every workload compares against. The toy Llama-style decoder and the
+report helpers (``environment()`` for result files) are here too. See DESIGN.md, "The CLI and
+the bench harness".
+"""
+
+from bcg_core.bench._cli import main
+from bcg_core.bench._harness import EAGER, FULL_GRAPH, BenchContext, Contender, Measurement, Stats
+from bcg_core.bench._report import environment
+from bcg_core.bench._toy_decoder import DecoderConfig, ToyDecoder, bench_config, tiny_config
+from bcg_core.bench._workloads import WORKLOAD_GROUP, compile_contender, full_graph_contender
+
+__all__ = [
+    "EAGER",
+    "FULL_GRAPH",
+    "WORKLOAD_GROUP",
+    "BenchContext",
+    "Contender",
+    "DecoderConfig",
+    "Measurement",
+    "Stats",
+    "ToyDecoder",
+    "bench_config",
+    "compile_contender",
+    "environment",
+    "full_graph_contender",
+    "main",
+    "tiny_config",
+]
