@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from graph_helpers import capture as _capture
+from graph_helpers import device_graph as _graph
 
 import bcg_core
 from bcg_core import (
@@ -45,18 +47,6 @@ from bcg_core.bench import ToyDecoder, tiny_config
 REPLAYS = 4
 
 
-def _graph() -> BreakableCUDAGraph:
-    """A graph for the device tensors are created on (see the ``device`` fixture)."""
-    return BreakableCUDAGraph(backend=torch.get_default_device().type)
-
-
-def _capture(fn: Callable[[], Any], graph: BreakableCUDAGraph | None = None) -> tuple[Any, Any]:
-    graph = graph if graph is not None else _graph()
-    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
-        out = fn()
-    return graph, out
-
-
 def _line_of(marker: str) -> int:
     """The number of the line of this file that ends with the comment ``# marker``."""
     with open(__file__, encoding="utf-8") as source:
@@ -64,26 +54,6 @@ def _line_of(marker: str) -> int:
             if line.rstrip().endswith(f"# {marker}"):
                 return number
     raise AssertionError(f"no line marked {marker!r}")
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def device(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Shared scenarios run on both backends: tensors are created on the parametrised device
-    (torch's default device), and ``_graph()`` picks the matching backend."""
-    param: str = request.param
-    if param == "cuda":
-        # Library handles (cuBLAS, cuBLASLt, attention) must exist before a capture, as with
-        # any CUDA graph: creating one inside a capture fails.
-        for dtype in (torch.float32, torch.bfloat16):
-            a = torch.ones(1, 1, 8, 8, device="cuda", dtype=dtype)
-            (a @ a).sum()
-            torch.nn.functional.scaled_dot_product_attention(a, a, a)
-        torch.cuda.synchronize()
-    torch.set_default_device(param)
-    try:
-        yield param
-    finally:
-        torch.set_default_device(None)
 
 
 @pytest.fixture()

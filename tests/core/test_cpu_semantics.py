@@ -31,8 +31,9 @@ from bcg_core import (
 from bcg_core._aliases import alias_tensor, alias_tree  # noqa: PLC2701
 from bcg_core._backends import CaptureStatus, backend_for  # noqa: PLC2701
 from bcg_core._backends.cudart import CudaRuntimeError, parse_capture_info  # noqa: PLC2701
-from bcg_core._bridges import Bridge, tensor_leaves  # noqa: PLC2701
+from bcg_core._bridges import Bridge  # noqa: PLC2701
 from bcg_core._streams import hooks_installed, stream_hooks  # noqa: PLC2701
+from bcg_core._trees import tensor_leaves  # noqa: PLC2701
 
 # -- runtime flag ------------------------------------------------------------------------------
 

@@ -7,16 +7,19 @@ device pointer that does not own (or free) the memory. The memory stays valid be
 to the graph's private pool, which lives as long as the graph, or to a caller-owned static buffer
 (which, as with any CUDA graph, the caller must keep alive).
 
-Only tensors on the aliased device types are aliased; CPU tensors and non-tensors pass through
-unchanged, as do objects that are not lists, tuples or dicts.
+Structures are walked by ``_trees.py``. Only tensors on the aliased device types are aliased;
+CPU tensors and non-tensors pass through unchanged. Dataclasses and plain objects are passed as
+themselves (held strongly, tensors included): a break re-reads their current attributes at every
+replay, which is how engines hand host-side metadata to eager attention.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from bcg_core import _trees
 
 
 def alias_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -33,25 +36,10 @@ def alias_tensor(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def map_tree(obj: Any, leaf: Callable[[torch.Tensor], Any]) -> Any:
-    """Rebuild lists, tuples (named tuples too) and dicts with ``leaf`` applied to each tensor."""
-    if isinstance(obj, torch.Tensor):
-        return leaf(obj)
-    if isinstance(obj, list):
-        return [map_tree(x, leaf) for x in obj]
-    if isinstance(obj, tuple):
-        items = [map_tree(x, leaf) for x in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, dict):
-        mapped = {k: map_tree(v, leaf) for k, v in obj.items()}
-        return mapped if type(obj) is dict else type(obj)(mapped)
-    return obj
-
-
 def alias_tree(obj: Any, device_types: frozenset[str] = frozenset({"cuda"})) -> Any:
     """``obj`` with every tensor on ``device_types`` replaced by :func:`alias_tensor`."""
 
     def leaf(t: torch.Tensor) -> torch.Tensor:
         return alias_tensor(t) if t.device.type in device_types else t
 
-    return map_tree(obj, leaf)
+    return _trees.map_tensors(obj, leaf, into_objects=False)

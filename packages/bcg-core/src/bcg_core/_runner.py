@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from bcg_core._aliases import map_tree
+from bcg_core import _trees
 from bcg_core._backends import backend_for
 from bcg_core._capture import BreakableCUDAGraphCapture
 from bcg_core._flag import enable_breakable_cuda_graph
@@ -23,6 +23,7 @@ from bcg_core._signature import (
     describe_difference,
     identity_objects,
     signature_and_tensors,
+    static_call,
 )
 
 logger = logging.getLogger("bcg_core")
@@ -61,11 +62,6 @@ class _Entry:
     keep_alive: list[Any]
     pool_bytes: int | None
     replays: int = 0
-
-
-def _sorted(kwargs: dict[str, Any]) -> dict[str, Any]:
-    # Signatures sort keyword arguments, so static buffers follow the same order.
-    return dict(sorted(kwargs.items()))
 
 
 class BreakableGraphRunner:
@@ -232,8 +228,7 @@ class BreakableGraphRunner:
             statics.append(buf)
             return buf
 
-        static_args = map_tree(args, make_static)
-        static_kwargs = map_tree(_sorted(kwargs), make_static)
+        static_args, static_kwargs = static_call(args, kwargs, make_static)
         backend = self._graph_backend
         graph = BreakableCUDAGraph(backend=backend.name)
         try:
@@ -301,7 +296,7 @@ class BreakableGraphRunner:
                 entry.graph.replay()
         if self.return_views:
             return entry.output
-        return map_tree(entry.output, lambda t: t.clone())
+        return _trees.map_tensors(entry.output, torch.Tensor.clone)
 
     def _diagnose_miss(self, sig: Signature) -> None:
         if sig in self._diagnosed:

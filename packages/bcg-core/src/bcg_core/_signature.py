@@ -1,10 +1,19 @@
 """Signatures: the key under which a runner stores one captured graph.
 
 A signature describes a call completely enough that a graph captured for one call replays
-correctly for another with the same signature: tensor shapes, dtypes and devices; constants
-(None, bool, int, float, str, bytes, enums) by value; the structure of lists, tuples and dicts;
-every other object by identity (the runner keeps such objects alive while their entry exists, so
-an id cannot be recycled under it).
+correctly for another with the same signature. The call ``(args, kwargs sorted by name)`` is
+walked by ``_trees.py`` (the one walker), and the signature is its structure (the tree spec:
+container types, dict keys, field and attribute names, lengths) plus one key per leaf:
+
+- a tensor in containers (lists, tuples, dicts, named tuples...): shape, dtype, device; the
+  runner copies it into a static buffer at every call;
+- a tensor inside a dataclass or plain object: shape, dtype, device **and storage address**.
+  Objects (metadata, caches) are passed to the model as themselves, so the graph reads those
+  tensors where they were at capture; a tensor rebound to another address gives another
+  signature (a miss that names the attribute), never a stale replay;
+- constants (None, bool, int, float, complex, str, bytes, enums, dtypes, devices, sizes) by
+  value; every other leaf by identity (the runner keeps such objects alive with their entry, so
+  an id cannot be recycled under it).
 """
 
 from __future__ import annotations
@@ -14,9 +23,27 @@ from typing import Any
 
 import torch
 
+from bcg_core import _trees
+
 Signature = tuple[Any, ...]
 
-_CONSTANTS = (type(None), bool, int, float, complex, str, bytes, enum.Enum, torch.dtype)
+_CONSTANTS = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    enum.Enum,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+)
+
+
+def _call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    return (args, dict(sorted(kwargs.items())))
 
 
 def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
@@ -27,70 +54,53 @@ def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
 def signature_and_tensors(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Signature, list[torch.Tensor]]:
-    """The signature and, in one pass (a replay's hot path), the call's tensors in the order
-    ``map_tree`` visits ``(args, kwargs sorted by name)``."""
-    tensors: list[torch.Tensor] = []
-    sig = (
-        _sig(args, tensors),
-        tuple((k, _sig(v, tensors)) for k, v in sorted(kwargs.items())),
-    )
-    return sig, tensors
+    """The signature and, in one walk (a replay's hot path), the call's tensors that live in
+    containers, in the order :func:`static_call` makes their static buffers."""
+    leaves, spec = _trees.flatten(_call(args, kwargs))
+    keys: list[Any] = []
+    live: list[torch.Tensor] = []
+    for leaf, inside in zip(leaves, _trees.in_object(spec), strict=True):
+        if isinstance(leaf, torch.Tensor):
+            if inside:
+                keys.append(("tensor@", tuple(leaf.shape), leaf.dtype, leaf.device, _addr(leaf)))
+            else:
+                keys.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device))
+                live.append(leaf)
+        elif isinstance(leaf, _CONSTANTS):
+            keys.append(("const", type(leaf).__name__, leaf))
+        else:
+            keys.append(("object", type(leaf).__qualname__, id(leaf)))
+    return (spec, tuple(keys)), live
 
 
-def _sig(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return ("tensor", tuple(obj.shape), obj.dtype, obj.device)
-    if isinstance(obj, _CONSTANTS):
-        return ("const", type(obj).__name__, obj)
-    if isinstance(obj, (list, tuple)):
-        return (type(obj).__name__, tuple(_sig(x, tensors) for x in obj))
-    if isinstance(obj, dict):
-        return ("dict", tuple((k, _sig(v, tensors)) for k, v in obj.items()))
-    return ("object", type(obj).__qualname__, id(obj))
+def _addr(t: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    return (t.data_ptr(), t.stride())
+
+
+def static_call(
+    args: tuple[Any, ...], kwargs: dict[str, Any], make_static: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` with every tensor in containers replaced by ``make_static(t)``;
+    dataclasses and plain objects are passed as themselves."""
+    call = _trees.map_tensors(_call(args, kwargs), make_static, into_objects=False)
+    return call[0], call[1]
 
 
 def identity_objects(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """The objects a signature refers to by identity (to be kept alive with their entry)."""
-    out: list[Any] = []
-
-    def walk(obj: Any) -> None:
-        if isinstance(obj, (torch.Tensor, *_CONSTANTS)):
-            return
-        if isinstance(obj, (list, tuple)):
-            for x in obj:
-                walk(x)
-        elif isinstance(obj, dict):
-            for x in obj.values():
-                walk(x)
-        else:
-            out.append(obj)
-
-    walk(args)
-    walk(kwargs)
-    return out
-
-
-def _fields(sig: Any, path: str, out: dict[str, Any]) -> None:
-    kind = sig[0]
-    if kind in ("tensor", "const", "object"):
-        out[path] = sig
-    elif kind == "dict":
-        out[path] = ("dict", tuple(k for k, _ in sig[1]))
-        for k, v in sig[1]:
-            _fields(v, f"{path}[{k!r}]", out)
-    else:
-        out[path] = (kind, len(sig[1]))
-        for i, v in enumerate(sig[1]):
-            _fields(v, f"{path}[{i}]", out)
+    """The leaves a signature refers to by identity (to be kept alive with their entry)."""
+    leaves, _ = _trees.flatten(_call(args, kwargs))
+    return [x for x in leaves if not isinstance(x, (torch.Tensor, *_CONSTANTS))]
 
 
 def flatten_signature(sig: Signature) -> dict[str, Any]:
-    """Signature as ``{path: leaf description}`` (``args[0]``, ``kwargs['t']`` ...)."""
+    """Signature as ``{path: leaf key}`` (``args[0]``, ``kwargs['t']``, ``args[1].seq_lens``)."""
+    spec, keys = sig
+    paths = _trees.key_paths(spec)
     out: dict[str, Any] = {}
-    _fields(sig[0], "args", out)
-    for k, v in sig[1]:
-        _fields(v, f"kwargs[{k!r}]", out)
+    for path, key in zip(paths, keys, strict=True):
+        # The walked call is (args, kwargs): "[0][1]" is args[1], "[1]['t']" is kwargs['t'].
+        root = "args" if path.startswith("[0]") else "kwargs"
+        out[root + path[3:]] = key
     return out
 
 
@@ -100,29 +110,41 @@ def _describe(leaf: Any) -> str:
     kind = leaf[0]
     if kind == "tensor":
         return f"tensor{list(leaf[1])} {leaf[2]} on {leaf[3]}"
+    if kind == "tensor@":
+        return f"tensor{list(leaf[1])} {leaf[2]} on {leaf[3]} at address {leaf[4][0]:#x}"
     if kind == "const":
         return repr(leaf[2])
-    if kind == "object":
-        return f"{leaf[1]} object #{leaf[2]:x}"
-    if kind == "dict":
-        return f"dict with keys {list(leaf[1])}"
-    return f"{kind} of length {leaf[1]}"
+    return f"{leaf[1]} object #{leaf[2]:x}"
 
 
 def describe_difference(sig: Signature, others: list[Signature]) -> str:
     """Which fields of ``sig`` differ from the closest of ``others``, in words."""
     if not others:
         return "no signature has been captured yet"
-    mine = flatten_signature(sig)
     best: list[str] | None = None
     for other in others:
-        theirs = flatten_signature(other)
-        diffs = [
-            f"{path}: {_describe(mine.get(path))} (captured: {_describe(theirs.get(path))})"
-            for path in sorted(set(mine) | set(theirs))
-            if mine.get(path) != theirs.get(path)
-        ]
+        structure = _trees.difference(sig[0], other[0], root="call")
+        if structure is not None:
+            diffs = [f"structure: {structure} at capture"]
+        else:
+            mine, theirs = flatten_signature(sig), flatten_signature(other)
+            diffs = [
+                f"{path}: {_describe(mine.get(path))} (captured: {_describe(theirs.get(path))})"
+                + _hint(mine.get(path), theirs.get(path))
+                for path in mine
+                if mine.get(path) != theirs.get(path)
+            ]
         if best is None or len(diffs) < len(best):
             best = diffs
     assert best is not None
     return "; ".join(best)
+
+
+def _hint(mine: Any, theirs: Any) -> str:
+    if mine and theirs and mine[0] == theirs[0] == "tensor@" and mine[1:4] == theirs[1:4]:
+        return (
+            " — a tensor inside an object argument is used in place, so the graph reads the "
+            "address it had at capture; copy new values into it (t.copy_(new)) instead of "
+            "rebinding the attribute, or pass the tensor as a top-level argument"
+        )
+    return ""

@@ -3,9 +3,9 @@
 While :func:`bcg_core.is_in_breakable_cuda_graph` is true, an adapted ``forward`` runs as one
 ``@eager_on_graph`` break: at capture it ends the graph segment and runs eagerly, at every replay
 it runs again on the capture-time inputs and its output is copied into the capture-time output.
-Otherwise it is the original forward, untouched. A forward returning a tuple (``(out, lse)``) is
-boxed into an object whose attributes are the tuple's items, so the bridge copy sees every tensor,
-and unboxed again for the caller, who still gets a tuple.
+Otherwise it is the original forward, untouched. Whatever structure the forward returns (a
+tensor, a ``(out, lse)`` tuple, a NamedTuple, a dataclass) reaches the caller with its type: the
+bridge is the capture-time output itself, refreshed in place at every replay.
 """
 
 from __future__ import annotations
@@ -21,18 +21,6 @@ from bcg_core import eager_on_graph, is_in_breakable_cuda_graph
 _ORIGINAL = "__bcg_original_forward__"
 
 
-class _Boxed:
-    """A tuple output as attributes ``item0 … itemN`` (what the bridge copy walks)."""
-
-    def __init__(self, items: tuple[Any, ...]) -> None:
-        self.n = len(items)
-        for i, item in enumerate(items):
-            setattr(self, f"item{i}", item)
-
-    def unbox(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, f"item{i}") for i in range(self.n))
-
-
 def make_breakable_attention_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap an attention ``forward(self, *args, **kwargs)`` so it is a break point while the
     breakable-graph flag is set, and a transparent pass-through otherwise."""
@@ -41,17 +29,13 @@ def make_breakable_attention_forward(forward: Callable[..., Any]) -> Callable[..
 
     name = f"{getattr(forward, '__qualname__', 'attention')}"
 
-    @eager_on_graph(name=name)
-    def attention_break(*args: Any, **kwargs: Any) -> Any:
-        out = forward(*args, **kwargs)
-        return _Boxed(out) if isinstance(out, tuple) else out
+    attention_break = eager_on_graph(name=name)(forward)
 
     @functools.wraps(forward)
     def adapted(*args: Any, **kwargs: Any) -> Any:
         if not is_in_breakable_cuda_graph():
             return forward(*args, **kwargs)
-        out = attention_break(*args, **kwargs)
-        return out.unbox() if isinstance(out, _Boxed) else out
+        return attention_break(*args, **kwargs)
 
     setattr(adapted, _ORIGINAL, forward)
     return adapted

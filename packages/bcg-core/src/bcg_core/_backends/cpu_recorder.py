@@ -48,6 +48,7 @@ import torch
 import torch.utils._python_dispatch
 
 from bcg_core._errors import CaptureError, HostSyncError
+from bcg_core._trees import map_tensors, tensor_leaves
 
 Step = Callable[[], object]
 
@@ -199,14 +200,8 @@ def host_read_hooks() -> Iterator[None]:
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors in an op's arguments or outputs (tensors, lists, tuples, dict values)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors(item)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in _tensors(item)]
-    return []
+    """The tensors in an op's arguments or outputs."""
+    return tensor_leaves(obj)
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -216,20 +211,16 @@ def _storage_ptr(t: torch.Tensor) -> int:
 def _snapshot(obj: Any) -> Any:
     """``obj`` with every tensor replaced by a tensor over the same storage whose sizes, strides
     and offset are frozen now (call under ``_AutoDispatchBelowADInplaceOrView``)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.layout is not torch.strided:
-            return obj
-        try:
-            return obj.as_strided(obj.size(), obj.stride(), obj.storage_offset())
-        except RuntimeError:
-            return obj
-    if isinstance(obj, list):
-        return [_snapshot(x) for x in obj]
-    if isinstance(obj, tuple):
-        return tuple(_snapshot(x) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _snapshot(v) for k, v in obj.items()}
-    return obj
+    return map_tensors(obj, _frozen_view)
+
+
+def _frozen_view(t: torch.Tensor) -> torch.Tensor:
+    if t.layout is not torch.strided:
+        return t
+    try:
+        return t.as_strided(t.size(), t.stride(), t.storage_offset())
+    except RuntimeError:
+        return t
 
 
 _INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -1,0 +1,271 @@
+"""One walker for every nested user structure bcg looks into.
+
+Break arguments (aliased), break outputs (bridged), runner arguments (signatures and static
+buffers) and runner outputs (cloned), and the CPU recorder's op arguments are all walked here,
+so flattening, rebuilding, structure and leaf order are the same everywhere.
+
+What is a node (its children are walked), in this order:
+
+1. ``torch.Tensor``: always a leaf.
+2. Any type registered with ``torch.utils._pytree`` (lists, tuples, named tuples, dicts,
+   ``OrderedDict``, ``defaultdict``, ``deque``, and what libraries register, such as
+   transformers' ``ModelOutput``): flattened and rebuilt by its registered functions.
+3. A dataclass instance of an unregistered type: its fields, in declaration order (what
+   ``pytree.register_dataclass`` would give, without registering user types process-wide,
+   which would change how ``torch.export`` and ``torch.compile`` treat them).
+4. A plain object (it has a ``__dict__`` and is not a module, class, function, method,
+   ``nn.Module`` or enum): its instance attributes, in insertion order. The *one rule* for
+   objects. Rebuilt as a shallow copy with the new attribute values; an object whose children
+   all come back unchanged is returned as itself (so user objects keep their identity unless a
+   tensor inside them was replaced). An object met again lower in its own tree (a cycle) is a leaf.
+
+Everything else is a leaf. The :class:`TreeSpec` of a structure records each node's type and
+its *context*: dict keys, field or attribute names, named-tuple fields, a list's length. Two
+structures are the same when their specs are equal; :func:`difference` says where they are not,
+and :func:`key_paths` names each leaf (``[0]['h'].lse``) so that dicts can be matched by key,
+never by position.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import functools
+import types
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+# torch's own pytree registry: what torch.compile, export and libraries register nodes with.
+import torch.utils._pytree as pytree  # noqa: PLC2701
+
+_OPAQUE = (
+    torch.nn.Module,
+    type,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+    enum.Enum,
+)
+
+
+class _Leaf:
+    """Spec marker of a leaf: ``TENSOR`` for a tensor, ``VALUE`` for anything else."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+TENSOR = _Leaf("tensor")
+VALUE = _Leaf("value")
+
+# A node spec: (type, context, child specs); a leaf spec: TENSOR or VALUE. Plain nested tuples
+# compare and hash fast, which signatures (a runner's hot path) rely on.
+TreeSpec = Any
+
+_DATACLASS, _OBJECT, _PYTREE = "dataclass", "object", "pytree"
+
+
+def _kind(obj: Any) -> str | None:
+    """How ``obj`` is walked, or None for a leaf."""
+    cls = type(obj)
+    if cls in pytree.SUPPORTED_NODES or pytree.is_namedtuple_instance(obj):
+        return _PYTREE
+    if isinstance(obj, _OPAQUE):
+        return None
+    if dataclasses.is_dataclass(obj):
+        return _DATACLASS
+    if hasattr(obj, "__dict__"):
+        return _OBJECT
+    return None
+
+
+def _children(obj: Any, kind: str) -> tuple[list[Any], Any]:
+    if kind == _PYTREE:
+        node_type = pytree._get_node_type(obj)
+        children, context = pytree.SUPPORTED_NODES[node_type].flatten_fn(obj)
+        return list(children), context
+    if kind == _DATACLASS:
+        names = tuple(f.name for f in dataclasses.fields(obj))
+        return [getattr(obj, n) for n in names], names
+    attrs = vars(obj)
+    return list(attrs.values()), tuple(attrs)
+
+
+def _rebuild(obj: Any, kind: str, context: Any, children: list[Any]) -> Any:
+    if kind == _PYTREE:
+        node_type = pytree._get_node_type(obj)
+        return pytree.SUPPORTED_NODES[node_type].unflatten_fn(children, context)
+    new = copy.copy(obj)
+    for name, value in zip(context, children, strict=True):
+        object.__setattr__(new, name, value)  # frozen dataclasses too
+    return new
+
+
+def _context_key(context: Any) -> Hashable:
+    """A hashable, comparable form of a node's context (lists become tuples)."""
+    if isinstance(context, (list, tuple)) and not pytree.is_namedtuple_instance(context):
+        return tuple(_context_key(c) for c in context)
+    try:
+        hash(context)
+    except TypeError:
+        return repr(context)
+    key: Hashable = context
+    return key
+
+
+def flatten(obj: Any) -> tuple[list[Any], TreeSpec]:
+    """All leaves of ``obj`` in walk order, and its spec."""
+    leaves: list[Any] = []
+    spec = _flatten(obj, leaves, set())
+    return leaves, spec
+
+
+def _flatten(obj: Any, leaves: list[Any], active: set[int]) -> TreeSpec:
+    if isinstance(obj, torch.Tensor):
+        leaves.append(obj)
+        return TENSOR
+    kind = _kind(obj)
+    if kind is None or id(obj) in active:
+        leaves.append(obj)
+        return VALUE
+    children, context = _children(obj, kind)
+    active.add(id(obj))
+    specs = tuple(_flatten(c, leaves, active) for c in children)
+    active.discard(id(obj))
+    return (type(obj), _context_key(context), specs)
+
+
+def tensor_leaves(obj: Any) -> list[torch.Tensor]:
+    """The tensors of ``obj`` in walk order."""
+    return [x for x in flatten(obj)[0] if isinstance(x, torch.Tensor)]
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], *, into_objects: bool = True) -> Any:
+    """``obj`` rebuilt with ``fn`` applied to every tensor, keeping every node's type.
+
+    Nodes whose children all come back unchanged are returned as they are. With
+    ``into_objects=False`` dataclasses and plain objects are left untouched (the runner passes
+    them by reference).
+    """
+    return _map(obj, fn, into_objects, set())
+
+
+def _map(obj: Any, fn: Callable[[torch.Tensor], Any], into_objects: bool, active: set[int]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    kind = _kind(obj)
+    if kind is None or id(obj) in active or (kind != _PYTREE and not into_objects):
+        return obj
+    children, context = _children(obj, kind)
+    active.add(id(obj))
+    mapped = [_map(c, fn, into_objects, active) for c in children]
+    active.discard(id(obj))
+    if all(m is c for m, c in zip(mapped, children, strict=True)):
+        return obj
+    return _rebuild(obj, kind, context, mapped)
+
+
+@functools.lru_cache(maxsize=256)
+def in_object(spec: TreeSpec) -> tuple[bool, ...]:
+    """For each leaf of ``spec``: whether it lies inside a dataclass or plain object."""
+    out: list[bool] = []
+    _in_object(spec, False, out)
+    return tuple(out)
+
+
+def _in_object(spec: TreeSpec, inside: bool, out: list[bool]) -> None:
+    if not isinstance(spec, tuple):
+        out.append(inside)
+        return
+    node_type = spec[0]
+    inside = inside or not (
+        node_type in pytree.SUPPORTED_NODES or pytree.is_namedtuple_class(node_type)
+    )
+    for child in spec[2]:
+        _in_object(child, inside, out)
+
+
+def key_paths(spec: TreeSpec, root: str = "") -> list[str]:
+    """The path of each leaf of ``spec``, in walk order (``[0]``, ``['k']``, ``.field``)."""
+    out: list[str] = []
+    _paths(spec, root, out)
+    return out
+
+
+def _child_names(spec: TreeSpec) -> list[str]:
+    node_type, context, children = spec
+    if pytree.is_namedtuple_class(node_type):
+        return [f".{f}" for f in node_type._fields]
+    is_pytree = node_type in pytree.SUPPORTED_NODES
+    keyed = isinstance(context, tuple) and len(context) == len(children)
+    if keyed and not is_pytree:
+        return [f".{c}" for c in context]  # dataclass fields, object attributes
+    if keyed and issubclass(node_type, dict):
+        return [f"[{c!r}]" for c in context]
+    return [f"[{i}]" for i in range(len(children))]
+
+
+def _paths(spec: TreeSpec, prefix: str, out: list[str]) -> None:
+    if not isinstance(spec, tuple):
+        out.append(prefix or "<root>")
+        return
+    for name, child in zip(_child_names(spec), spec[2], strict=True):
+        _paths(child, prefix + name, out)
+
+
+def describe(spec: TreeSpec) -> str:
+    """One node of a spec in words (``a dict with keys ['a', 'b']``, ``a tensor``)."""
+    if not isinstance(spec, tuple):
+        return "a tensor" if spec is TENSOR else "a non-tensor value"
+    node_type, _, children = spec
+    name = node_type.__qualname__
+    if issubclass(node_type, (list, tuple)) and not pytree.is_namedtuple_class(node_type):
+        return f"a {name} of length {len(children)}"
+    if issubclass(node_type, dict):
+        return f"a {name} with keys [{', '.join(n[1:-1] for n in _child_names(spec))}]"
+    return f"a {name} with fields [{', '.join(n.lstrip('.') for n in _child_names(spec))}]"
+
+
+def difference(got: TreeSpec, want: TreeSpec, root: str = "output") -> str | None:
+    """Where ``got`` differs from ``want`` in structure (first difference), or None."""
+    if got == want:
+        return None
+    if not (isinstance(got, tuple) and isinstance(want, tuple)):
+        return f"{root} is {describe(got)}, was {describe(want)}"
+    if got[0] is not want[0] or got[1] != want[1] or len(got[2]) != len(want[2]):
+        return f"{root} is {describe(got)}, was {describe(want)}"
+    for name, g, w in zip(_child_names(want), got[2], want[2], strict=True):
+        found = difference(g, w, root + name)
+        if found is not None:
+            return found
+    return None
+
+
+def same_up_to_key_order(got: TreeSpec, want: TreeSpec) -> bool:
+    """True when the two specs differ only in the order of dict keys."""
+    if got == want:
+        return True
+    if not (isinstance(got, tuple) and isinstance(want, tuple)):
+        return False
+    if got[0] is not want[0] or len(got[2]) != len(want[2]):
+        return False
+    if got[1] == want[1]:
+        return all(same_up_to_key_order(g, w) for g, w in zip(got[2], want[2], strict=True))
+    if not (issubclass(want[0], dict) and isinstance(got[1], tuple) and isinstance(want[1], tuple)):
+        return False
+    if sorted(map(repr, got[1])) != sorted(map(repr, want[1])) or len(set(got[1])) != len(got[1]):
+        return False
+    mine = dict(zip(got[1], got[2], strict=True))
+    return all(
+        k in mine and same_up_to_key_order(mine[k], w)
+        for k, w in zip(want[1], want[2], strict=True)
+    )
