@@ -212,6 +212,41 @@ def test_break_side_stream_work_is_finished_before_next_segment() -> None:
 # -- hooks -------------------------------------------------------------------------------------
 
 
+def test_break_returning_side_stream_result_is_bridged_after_the_join() -> None:
+    # The break returns a tensor computed on a side stream it did not join: at replay the bridge
+    # copy (on the replay stream) must wait for that stream, or it copies unfinished data.
+    side = torch.cuda.Stream()
+    w = randn(128, 128) / 16
+
+    @eager_on_graph(name="side_result")
+    def side_result(src: torch.Tensor) -> torch.Tensor:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            acc = src
+            for _ in range(8):
+                acc = torch.tanh(acc @ w)
+        return acc
+
+    def eager(src: torch.Tensor) -> torch.Tensor:
+        acc = src * 2
+        for _ in range(8):
+            acc = torch.tanh(acc @ w)
+        return acc + 1
+
+    x = randn(64, 128)
+    graph = BreakableCUDAGraph()
+    with BreakableCUDAGraphCapture(graph):
+        out = side_result(x * 2) + 1
+    assert_idle()
+    assert graph.step_kinds == ("graph", "break", "graph")
+    for _ in range(REPLAYS):
+        refresh(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager(x))
+
+
 def test_hooks_installed_only_while_capturing() -> None:
     x = randn(16)
     original_record = torch.cuda.Event.record

@@ -25,8 +25,8 @@ class SegmentStep:
 
 @dataclass(frozen=True)
 class BreakStep:
-    """An eager break: ``fn`` re-run at replay on the capture-time argument aliases, its output
-    copied into ``bridge``, then the side streams it used joined into the replay stream."""
+    """An eager break: ``fn`` re-run at replay on the capture-time argument aliases, the side
+    streams it used joined into the replay stream, then its output copied into ``bridge``."""
 
     name: str
     fn: Callable[..., Any]
@@ -38,11 +38,14 @@ class BreakStep:
     kind: Literal["break"] = "break"
 
     def run(self) -> None:
-        self.bridge.update(self.fn(*self.args, **self.kwargs))
+        fresh = self.fn(*self.args, **self.kwargs)
+        # Join the side streams first: the bridge copy runs on the replay stream and may read
+        # a tensor the break computed on one of them.
         if self.side_streams:
             stream = self.backend.current_stream()
             for side in self.side_streams:
                 stream.wait_stream(side)
+        self.bridge.update(fresh)
 
     def launcher(self) -> Callable[[], Any]:
         """The cheapest callable equivalent to :meth:`run`: per-break host cost is the budget
