@@ -244,7 +244,7 @@ def test_break_returning_side_stream_result_is_bridged_after_the_join() -> None:
         refresh(x)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, eager(x))
+        torch.testing.assert_close(out, eager(x), rtol=1e-4, atol=1e-4)
 
 
 def test_hooks_installed_only_while_capturing() -> None:
