@@ -47,7 +47,9 @@ def _model(family: str, attn: str) -> Any:
 
 def cache_tensors(cache: Any) -> list[torch.Tensor]:
     """Everything a StaticCache's forward mutates: keys, values and the position counter."""
-    return [t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+    return [
+        t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)
+    ]
 
 
 def _prefilled(model: Any, prompt: torch.Tensor) -> Any:

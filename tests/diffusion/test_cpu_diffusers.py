@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC2701
 
 from bcg_core import enable_breakable_cuda_graph
 from bcg_diffusion import (
@@ -45,16 +45,19 @@ class _CountSDPA(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _flux() -> tuple[nn.Module, Step, torch.Tensor]:
+def flux_model(
+    device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, Step, torch.Tensor]:
     """Flux, 2 dual + 2 single blocks: the dispatch-function family."""
     model = diffusers.FluxTransformer2DModel(
         patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
         axes_dims_rope=(4, 6, 6),
-    ).eval()  # fmt: skip
+    ).to(device, dtype).eval()  # fmt: skip
     gen = torch.Generator().manual_seed(1)
-    text, pooled = torch.randn(1, 8, 32, generator=gen), torch.randn(1, 32, generator=gen)
-    img_ids, txt_ids = torch.zeros(16, 3), torch.zeros(8, 3)
+    text = torch.randn(1, 8, 32, generator=gen).to(device, dtype)
+    pooled = torch.randn(1, 32, generator=gen).to(device, dtype)
+    img_ids, txt_ids = torch.zeros(16, 3, device=device), torch.zeros(8, 3, device=device)
 
     def step(latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = model(
@@ -63,18 +66,21 @@ def _flux() -> tuple[nn.Module, Step, torch.Tensor]:
         )[0]  # fmt: skip
         return out
 
-    return model, step, torch.randn(1, 16, 4, generator=gen)
+    return model, step, torch.randn(1, 16, 4, generator=gen).to(device, dtype)
 
 
-def _sd3() -> tuple[nn.Module, Step, torch.Tensor]:
+def sd3_model(
+    device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, Step, torch.Tensor]:
     """SD3, 2 joint blocks: processors calling F.scaled_dot_product_attention."""
     model = diffusers.SD3Transformer2DModel(
         sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
         num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
         pooled_projection_dim=32, out_channels=4, pos_embed_max_size=16,
-    ).eval()  # fmt: skip
+    ).to(device, dtype).eval()  # fmt: skip
     gen = torch.Generator().manual_seed(2)
-    text, pooled = torch.randn(1, 8, 32, generator=gen), torch.randn(1, 32, generator=gen)
+    text = torch.randn(1, 8, 32, generator=gen).to(device, dtype)
+    pooled = torch.randn(1, 32, generator=gen).to(device, dtype)
 
     def step(latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = model(
@@ -83,10 +89,13 @@ def _sd3() -> tuple[nn.Module, Step, torch.Tensor]:
         )[0]  # fmt: skip
         return out
 
-    return model, step, torch.randn(1, 4, 8, 8, generator=gen)
+    return model, step, torch.randn(1, 4, 8, 8, generator=gen).to(device, dtype)
 
 
-MODELS = {"flux": _flux, "sd3": _sd3}
+MODELS: dict[str, Callable[..., tuple[nn.Module, Step, torch.Tensor]]] = {
+    "flux": flux_model,
+    "sd3": sd3_model,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -95,17 +104,17 @@ def _seed() -> Iterator[None]:
     yield
 
 
-def _attention_ops(step: Step, latents: torch.Tensor) -> int:
+def attention_ops(step: Step, latents: torch.Tensor) -> int:
     with torch.no_grad(), _CountSDPA() as counter:
-        step(latents, torch.ones(1))
+        step(latents, torch.ones(1, device=latents.device))
     return counter.count
 
 
-def _euler(step: Step, latents: torch.Tensor, steps: int) -> list[torch.Tensor]:
+def euler(step: Step, latents: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """A flow-matching Euler loop; every model output along the way."""
     outs = []
     for i in range(steps):
-        t = torch.full((1,), 1.0 - i / steps)
+        t = torch.full((1,), 1.0 - i / steps, device=latents.device)
         v = step(latents, t)
         outs.append(v)
         latents = latents - v / steps
@@ -115,7 +124,7 @@ def _euler(step: Step, latents: torch.Tensor, steps: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_every_attention_op_is_a_break_and_replays_equal_eager(family: str) -> None:
     model, step, latents = MODELS[family]()
-    ops = _attention_ops(step, latents)
+    ops = attention_ops(step, latents)
     assert ops == 4 if family == "flux" else ops == 2
     runner = DiTRunner(step, breakable_attention=make_attention_ops_breakable(model), device="cpu")
     try:
@@ -124,8 +133,8 @@ def test_every_attention_op_is_a_break_and_replays_equal_eager(family: str) -> N
             (entry,) = runner.stats.entries
             assert entry.breaks == ops
             assert entry.segments == ops + 1  # projections before and after each op are captured
-            expected = _euler(step, latents, 4)
-            got = _euler(runner, latents, 4)
+            expected = euler(step, latents, 4)
+            got = euler(runner, latents, 4)
         assert runner.stats.hits == 4 and runner.stats.misses == 0
         for e, g in zip(expected, got, strict=True):
             assert torch.equal(e, g)
@@ -145,7 +154,7 @@ def _assert_unpatched() -> None:
 
 
 def test_patches_are_reference_counted_across_runners() -> None:
-    model, step, latents = _flux()
+    model, step, latents = flux_model()
     module = sys.modules[type(model).__module__]
     original = module.dispatch_attention_fn
     first = DiTRunner(step, breakable_attention=make_attention_ops_breakable(model), device="cpu")
@@ -165,7 +174,7 @@ def test_patches_are_reference_counted_across_runners() -> None:
 
 
 def test_two_handles_remove_one_breaks_remain() -> None:
-    model, step, latents = _sd3()
+    model, step, latents = sd3_model()
     a = make_attention_ops_breakable(model)
     b = make_attention_ops_breakable(model)
     a.remove()
@@ -188,7 +197,7 @@ def test_processor_class_call_is_a_break() -> None:
     exists."""
     from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
-    model, step, latents = _flux()
+    _model, step, latents = flux_model()
     with torch.no_grad():
         expected = step(latents, torch.ones(1))
     runner = DiTRunner(step, attention_classes=(FluxAttnProcessor,), device="cpu")
@@ -297,7 +306,7 @@ def test_a_patch_replaced_by_other_code_is_left_alone(caplog: pytest.LogCaptureF
 
 
 def test_patched_ops_pass_through_without_the_flag() -> None:
-    model, step, latents = _flux()
+    model, step, latents = flux_model()
     with torch.no_grad():
         expected = step(latents, torch.ones(1))
         with make_attention_ops_breakable(model):

@@ -35,7 +35,7 @@ def breakable_attention(base: str = "sdpa") -> str:
     return its name, to use as ``attn_implementation``::
 
         name = bcg_core.breakable_attention("sdpa")           # "bcg_sdpa"
-        model.set_attn_implementation(name)                    # or from_config(..., attn_implementation=name)
+        model.set_attn_implementation(name)   # or from_config(..., attn_implementation=name)
 
     ``base`` is any name registered in transformers' ``AttentionInterface`` (``sdpa``,
     ``flex_attention``, a custom one) or ``eager`` (each model's own ``eager_attention_forward``,

@@ -152,10 +152,7 @@ def patch_count(target: Any, name: str) -> int:
 
 
 def _new_slot(target: Any, name: str, kind: str) -> _Slot:
-    if kind == "class":
-        base = inspect.getattr_static(target, name)
-    else:
-        base = getattr(target, name)
+    base = inspect.getattr_static(target, name) if kind == "class" else getattr(target, name)
     own = vars(target).get(name, _ABSENT) if hasattr(target, "__dict__") else _ABSENT
     return _Slot(target, name, kind, own, base)
 
