@@ -392,9 +392,7 @@ def break_overhead(ctx: BenchContext) -> list[Measurement]:
                 "raw_launches",
                 raw_launches,
                 segments=k + 1,
-                check=replay_check(
-                    ctx, _replaying(raw_launches, x), with_breaks, prepare=restart
-                ),
+                check=replay_check(ctx, _replaying(raw_launches, x), with_breaks, prepare=restart),
             )
         )
     else:
