@@ -27,6 +27,7 @@ from bcg_core._flag import enable_breakable_cuda_graph, is_in_breakable_cuda_gra
 from bcg_core._graph import BreakableCUDAGraph
 from bcg_core._runner import BreakableGraphRunner, EntryStats, RunnerStats
 from bcg_core._signature import describe_difference, signature_of
+from bcg_core._transformers import breakable_attention
 from bcg_core._version import __version__
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "UnjoinedStreamError",
     "__version__",
     "break_graph",
+    "breakable_attention",
     "check_capture",
     "describe_difference",
     "eager_on_graph",
