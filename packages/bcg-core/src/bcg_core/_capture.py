@@ -187,7 +187,9 @@ class CaptureState:
                 "to have the output copied into a bridge buffer at every replay."
             )
         if fresh is not None:
-            report_leaks(name, fresh, output, (args, kwargs), strict=self.debug is DebugLevel.STRICT)
+            report_leaks(
+                name, fresh, output, (args, kwargs), strict=self.debug is DebugLevel.STRICT
+            )
         bridge = Bridge(name, output)
         self.backend.note_graph_memory(self.pool, bridge.tensors)
         self.steps.append(

@@ -58,8 +58,9 @@ def debug_level(option: bool | str | None = None) -> DebugLevel:
 _TRACKER: ContextVar[FreshTensorTracker | None] = ContextVar("bcg_core_fresh", default=None)
 
 
-def keep_alive_ok(*tensors: torch.Tensor) -> None:
-    """Declare that ``tensors``, created inside a break, may stay alive after it on purpose.
+def keep_alive_ok(tensor: torch.Tensor) -> torch.Tensor:
+    """Declare that ``tensor``, created inside a break, may stay alive after it on purpose, and
+    return it (``self.table = keep_alive_ok(torch.empty(...))``).
 
     The debug check (``BCG_DEBUG`` or ``BreakableCUDAGraphCapture(debug=...)``) then does not
     report them. Use it for memory a break allocates once at capture and reuses at every replay
@@ -68,7 +69,8 @@ def keep_alive_ok(*tensors: torch.Tensor) -> None:
     """
     tracker = _TRACKER.get()
     if tracker is not None:
-        tracker.allowed.update(_storage_key(t) for t in tensors)
+        tracker.allowed.add(_storage_key(tensor))
+    return tensor
 
 
 def _storage_key(t: torch.Tensor) -> int:

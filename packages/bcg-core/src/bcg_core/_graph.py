@@ -68,6 +68,7 @@ def _step_names(steps: Sequence[Step]) -> list[str]:
             names.append(f"bcg.break:{step.name}")
     return names
 
+
 GRAPH_BACKENDS = ("cuda", "cpu")
 
 

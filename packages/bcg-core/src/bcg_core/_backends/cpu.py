@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bcg_core._backends.cpu_recorder import HostScalar, Recorder, Step
+from bcg_core._backends.cpu_recorder import HostScalar, Recorder, Step, new_recorder
 from bcg_core._backends.seam import CaptureInfo, CaptureStatus, StreamObserver
 from bcg_core._errors import CaptureError, HostSyncError
 
@@ -128,7 +128,7 @@ class CpuSegment:
         stream = current_cpu_stream()
         if stream.capturing is not None:
             raise CaptureError(f"{stream!r} is already capturing")
-        recorder = Recorder(pool.graph_memory if isinstance(pool, CpuPool) else None)
+        recorder = new_recorder(pool.graph_memory if isinstance(pool, CpuPool) else None)
         recorder.start()
         self._recorder, self._stream = recorder, stream
         stream.capturing = self
@@ -222,7 +222,6 @@ class CpuBackend:
     def pool_bytes(self, pool: Any) -> int | None:
         """Unknown: a CPU pool is a token (its segments hold their tensors)."""
         return None
-
 
     def note_graph_memory(self, pool: Any, tensors: Sequence[Any]) -> None:
         if isinstance(pool, CpuPool):

@@ -381,7 +381,8 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch would wrap __torch_dispatch__ in torch._disable_dynamo (importing dynamo on the
-        # first op and adding a frame per op); a recorder is never traced by torch.compile.
+        # first op and adding a frame per op); while dynamo is not even imported nothing can
+        # compile, and new_recorder() picks _CompilingRecorder otherwise.
         return False
 
     def __init__(self, graph_memory: set[int] | None = None) -> None:
@@ -508,3 +509,30 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
             dsts = [_snapshot(outs[i]) for i in fresh]
         single = isinstance(out, torch.Tensor)
         self.steps.append(_run_and_copy(func._op, s_args, s_kwargs, single, fresh, dsts))
+
+
+class _CompilingRecorder(Recorder):  # type: ignore[no-untyped-call]
+    """A recorder that ``torch.compile`` treats as opaque: torch wraps its ``__torch_dispatch__``
+    in ``torch._disable_dynamo``, so dynamo, tracing a compiled function while the recorder is
+    active, runs the recorder instead of inlining it (and recording fake tensors)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def new_recorder(graph_memory: set[int] | None = None) -> Recorder:
+    """A recorder for one segment: the opaque kind once ``torch._dynamo`` is imported (something
+    may compile), else the cheaper kind dynamo is never near."""
+    if "torch._dynamo" in sys.modules:
+        return _CompilingRecorder(graph_memory)
+    return Recorder(graph_memory)

@@ -142,15 +142,14 @@ class CudaBackend:
             if tuple(s.get("segment_pool_id", ())) == tuple(pool_id(pool))
         )
 
-
     def note_graph_memory(self, pool: Any, tensors: Sequence[Any]) -> None:
         """Nothing to note: a CUDA kernel reads device memory at replay wherever it came from."""
 
     def range_push(self, name: str) -> None:
-        torch.cuda.nvtx.range_push(name)
+        torch.cuda.nvtx.range_push(name)  # type: ignore[no-untyped-call]
 
     def range_pop(self) -> None:
-        torch.cuda.nvtx.range_pop()
+        torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
 
 
 def _recover(pool: Any) -> None:
