@@ -266,9 +266,7 @@ def test_keep_alive_ok_outside_a_checked_break_is_a_no_op() -> None:
 # -- capture cost ------------------------------------------------------------------------------
 
 
-def test_capture_collects_garbage_only_when_torch_is_told_to(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_capture_collects_garbage_only_when_torch_is_told_to() -> None:
     collections: list[int] = []
 
     def observe(phase: str, info: dict[str, int]) -> None:
@@ -281,8 +279,8 @@ def test_capture_collects_garbage_only_when_torch_is_told_to(
     try:
         _capture(step, BreakableCUDAGraph(backend="cpu"))
         assert collections == []
-        monkeypatch.setattr(torch.compiler.config, "force_cudagraph_gc", True)
-        _capture(step, BreakableCUDAGraph(backend="cpu"))
+        with torch.compiler.config.patch(force_cudagraph_gc=True):
+            _capture(step, BreakableCUDAGraph(backend="cpu"))
         assert collections == [2]
     finally:
         gc.callbacks.remove(observe)

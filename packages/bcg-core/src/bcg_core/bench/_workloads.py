@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import importlib.metadata
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,7 @@ COMPILE = "torch.compile"
 def discover() -> dict[str, Workload]:
     """Every installed workload by name (core's own first, then entry points)."""
     found: dict[str, Workload] = {"decoder": decoder_workload, "break-overhead": break_overhead}
+    found["capture"] = importlib.import_module("bcg_core.bench._capture_workload").capture_workload
     for ep in importlib.metadata.entry_points(group=WORKLOAD_GROUP):
         if ep.name not in found:
             found[ep.name] = ep.load()
@@ -129,17 +131,17 @@ def compile_contender(
     Inductor fuses and reorders low-precision arithmetic, so it is not checked bitwise:
     ``exact()`` runs the same model in float32, and the contender is correct when its error
     against that is at most twice eager's (``reference``). ``exact`` is only called when the
-    contender runs.
+    contender runs. Its capture ms are the three calls that compile and record it.
     """
     if ctx.device.type != "cuda" or ctx.smoke:
         return Contender(COMPILE, None, skipped="needs CUDA and a full run (not --smoke)")
     compiled = torch.compile(step, mode="reduce-overhead")
-    for _ in range(3):
-        out = compiled()
-    ctx.synchronize()
+    # Its "capture" is compiling plus cudagraph-trees recording: the three calls it takes.
+    out, ms = ctx.timed(lambda: [compiled() for _ in range(3)][-1])
+    assert isinstance(out, torch.Tensor)
     truth = exact()
     close = _max_error(out, truth) <= 2 * _max_error(reference, truth) + 1e-6
-    return Contender(COMPILE, compiled, correct=close)
+    return Contender(COMPILE, compiled, capture_ms=ms, correct=close)
 
 
 def _max_error(a: torch.Tensor, exact: torch.Tensor) -> float:
@@ -150,7 +152,7 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.float(), b.float()))
 
 
-def _peer() -> Any:
+def peer_module() -> Any:
     try:
         import breakable_cuda_graphs  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError:
@@ -236,23 +238,10 @@ def decode_step(model: ToyDecoder, batch: int) -> Callable[[], torch.Tensor]:
 def _peer_decoder(
     ctx: BenchContext, model: ToyDecoder, step: Callable[[], torch.Tensor], ref: torch.Tensor
 ) -> Contender:
-    peer = _peer()
+    peer = peer_module()
     if peer is None or ctx.device.type != "cuda":
-        why = "needs CUDA" if peer is not None else f"not installed (pip install {PEER})"
-        return Contender(PEER, None, skipped=why)
-
-    # The peer's breaks may not return CUDA tensors: attention writes into a graph buffer.
-    @peer.no_graph  # type: ignore[untyped-decorator,unused-ignore]
-    def attention_into(out: torch.Tensor, *args: torch.Tensor) -> None:
-        out.copy_(attention_core(*args))
-
-    def attention(*args: torch.Tensor) -> torch.Tensor:
-        q = args[0]
-        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], device=q.device, dtype=q.dtype)
-        attention_into(out, *args)
-        return out
-
-    model.set_attention(attention)
+        return Contender(PEER, None, skipped=peer_unavailable(peer))
+    model.set_attention(peer_attention(peer))
     graph = peer.BreakableCUDAGraph()
     _warm(step, ctx.device)
 
@@ -266,6 +255,28 @@ def _peer_decoder(
     return Contender(
         PEER, graph.replay, capture_ms=ms, correct=_equal(result, ref), keep_alive=step
     )
+
+
+def peer_unavailable(peer: Any) -> str:
+    """Why the peer contender is skipped on this machine."""
+    return "needs CUDA" if peer is not None else f"not installed (pip install {PEER})"
+
+
+def peer_attention(peer: Any) -> Callable[..., torch.Tensor]:
+    """The toy decoder's attention as a break of the peer package (see ``set_attention``)."""
+
+    # The peer's breaks may not return CUDA tensors: attention writes into a graph buffer.
+    @peer.no_graph  # type: ignore[untyped-decorator,unused-ignore]
+    def attention_into(out: torch.Tensor, *args: torch.Tensor) -> None:
+        out.copy_(attention_core(*args))
+
+    def attention(*args: torch.Tensor) -> torch.Tensor:
+        q = args[0]
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], device=q.device, dtype=q.dtype)
+        attention_into(out, *args)
+        return out
+
+    return attention
 
 
 def break_overhead(ctx: BenchContext) -> list[Measurement]:
@@ -293,18 +304,24 @@ def break_overhead(ctx: BenchContext) -> list[Measurement]:
     if ctx.device.type == "cuda":
         contenders.append(ctx.build(FULL_GRAPH, lambda: full_graph_contender(ctx, kernels_only, x)))
         raw = []
-        for _ in range(k + 1):
-            g = torch.cuda.CUDAGraph()
-            _warm(lambda: x.add_(1), ctx.device)
-            with torch.cuda.graph(g):
-                x.add_(1)
-            raw.append(g.replay)
+        _warm(lambda: x.add_(1), ctx.device)
+
+        def capture_raw() -> None:
+            for _ in range(k + 1):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    x.add_(1)
+                raw.append(g.replay)
+
+        _, raw_ms = ctx.timed(capture_raw)
 
         def raw_launches() -> None:
             for launch in raw:
                 launch()
 
-        contenders.append(Contender("raw_launches", raw_launches, segments=k + 1))
+        contenders.append(
+            Contender("raw_launches", raw_launches, capture_ms=raw_ms, segments=k + 1)
+        )
     else:
         contenders.append(Contender(FULL_GRAPH, None, skipped="needs CUDA"))
     bcg = ctx.build("bcg", lambda: bcg_contender(ctx, with_breaks, x))
