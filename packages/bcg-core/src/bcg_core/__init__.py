@@ -15,6 +15,7 @@ from bcg_core._breaks import break_graph, eager_on_graph
 from bcg_core._capture import BreakableCUDAGraphCapture
 from bcg_core._check import check_capture
 from bcg_core._context import get_current_stream, is_breakable_capture_active
+from bcg_core._debug import keep_alive_ok
 from bcg_core._errors import (
     BCG_FAILURE_HINT,
     BreakableGraphError,
@@ -52,5 +53,6 @@ __all__ = [
     "get_current_stream",
     "is_breakable_capture_active",
     "is_in_breakable_cuda_graph",
+    "keep_alive_ok",
     "signature_of",
 ]

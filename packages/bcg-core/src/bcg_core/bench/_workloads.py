@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import importlib.metadata
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,7 @@ def discover() -> dict[str, Workload]:
         "decoder": decoder_workload,
         "break-overhead": break_overhead,
         "hf-llama": _lazy("bcg_core.bench._hf_llama", "hf_llama_workload"),
+        "capture": _lazy("bcg_core.bench._capture_workload", "capture_workload"),
     }
     for ep in importlib.metadata.entry_points(group=WORKLOAD_GROUP):
         if ep.name not in found:
@@ -193,13 +195,14 @@ def compile_contender(
     Inductor fuses and reorders low-precision arithmetic, so it is not checked bitwise:
     ``exact()`` runs the same model in float32, and after timing the contender's next output is
     correct when its error against that is at most twice eager's (``reference``, a tensor or the
-    eager step). ``exact`` is only called when the contender runs.
+    eager step). ``exact`` is only called when the contender runs. Its capture ms are the three
+    calls that compile and record it.
     """
     if ctx.device.type != "cuda" or ctx.smoke:
         return Contender(COMPILE, None, skipped="needs CUDA and a full run (not --smoke)")
     compiled = torch.compile(step, mode="reduce-overhead")
-    for _ in range(3):
-        compiled()
+    # Its "capture" is compiling plus cudagraph-trees recording: the three calls it takes.
+    _, ms = ctx.timed(lambda: [compiled() for _ in range(3)][-1])
     ctx.synchronize()
     truth = exact().clone()
 
@@ -210,7 +213,7 @@ def compile_contender(
         ctx.synchronize()
         return _max_error(out, truth) <= 2 * eager_error + 1e-6
 
-    return Contender(COMPILE, compiled, check=check)
+    return Contender(COMPILE, compiled, capture_ms=ms, check=check)
 
 
 def _max_error(a: torch.Tensor, exact: torch.Tensor) -> float:
@@ -221,7 +224,7 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.float(), b.float()))
 
 
-def _peer() -> Any:
+def peer_module() -> Any:
     try:
         import breakable_cuda_graphs  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError:
@@ -306,23 +309,10 @@ def decode_step(model: ToyDecoder, batch: int) -> Callable[[], torch.Tensor]:
 def _peer_decoder(
     ctx: BenchContext, model: ToyDecoder, step: Callable[[], torch.Tensor], ref: Reference
 ) -> Contender:
-    peer = _peer()
+    peer = peer_module()
     if peer is None or ctx.device.type != "cuda":
-        why = "needs CUDA" if peer is not None else f"not installed (pip install {PEER})"
-        return Contender(PEER, None, skipped=why)
-
-    # The peer's breaks may not return CUDA tensors: attention writes into a graph buffer.
-    @peer.no_graph  # type: ignore[untyped-decorator,unused-ignore]
-    def attention_into(out: torch.Tensor, *args: torch.Tensor) -> None:
-        out.copy_(attention_core(*args))
-
-    def attention(*args: torch.Tensor) -> torch.Tensor:
-        q = args[0]
-        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], device=q.device, dtype=q.dtype)
-        attention_into(out, *args)
-        return out
-
-    model.set_attention(attention)
+        return Contender(PEER, None, skipped=peer_unavailable(peer))
+    model.set_attention(peer_attention(peer))
     graph = peer.BreakableCUDAGraph()
     _warm(step, ctx.device)
 
@@ -340,6 +330,28 @@ def _peer_decoder(
         keep_alive=step,
         check=replay_check(ctx, _replaying(graph.replay, result), ref),
     )
+
+
+def peer_unavailable(peer: Any) -> str:
+    """Why the peer contender is skipped on this machine."""
+    return "needs CUDA" if peer is not None else f"not installed (pip install {PEER})"
+
+
+def peer_attention(peer: Any) -> Callable[..., torch.Tensor]:
+    """The toy decoder's attention as a break of the peer package (see ``set_attention``)."""
+
+    # The peer's breaks may not return CUDA tensors: attention writes into a graph buffer.
+    @peer.no_graph  # type: ignore[untyped-decorator,unused-ignore]
+    def attention_into(out: torch.Tensor, *args: torch.Tensor) -> None:
+        out.copy_(attention_core(*args))
+
+    def attention(*args: torch.Tensor) -> torch.Tensor:
+        q = args[0]
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], device=q.device, dtype=q.dtype)
+        attention_into(out, *args)
+        return out
+
+    return attention
 
 
 def break_overhead(ctx: BenchContext) -> list[Measurement]:
@@ -376,12 +388,16 @@ def break_overhead(ctx: BenchContext) -> list[Measurement]:
             )
         )
         raw = []
-        for _ in range(k + 1):
-            g = torch.cuda.CUDAGraph()
-            _warm(lambda: x.add_(1), ctx.device)
-            with torch.cuda.graph(g):
-                x.add_(1)
-            raw.append(g.replay)
+        _warm(lambda: x.add_(1), ctx.device)
+
+        def capture_raw() -> None:
+            for _ in range(k + 1):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    x.add_(1)
+                raw.append(g.replay)
+
+        _, raw_ms = ctx.timed(capture_raw)
 
         def raw_launches() -> None:
             for launch in raw:
@@ -391,6 +407,7 @@ def break_overhead(ctx: BenchContext) -> list[Measurement]:
             Contender(
                 "raw_launches",
                 raw_launches,
+                capture_ms=raw_ms,
                 segments=k + 1,
                 check=replay_check(ctx, _replaying(raw_launches, x), with_breaks, prepare=restart),
             )
