@@ -7,6 +7,9 @@ is held by a non-owning alias, so its block is handed to later captures once the
 break drops it; every graph must still be right right after its own replay, whatever ran before,
 and every output the caller holds must keep its last replay's values. On the CPU backend bridges
 are held strongly (its pool is a token), so the same assertions check the shared logic.
+
+Also on CPU tensors: how a capture tells pooled tensors from others (``PoolAddresses``) and how a
+bridge holds each kind.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from __future__ import annotations
 import functools
 import random
 from collections.abc import Callable
+from typing import NamedTuple
 
 import pytest
 import torch
 from graph_helpers import capture, device_graph
 
 from bcg_core import BreakableCUDAGraph, eager_on_graph
+from bcg_core._bridges import Bridge, PoolAddresses  # noqa: PLC2701
 
 HIDDEN = 32
 ROWS = [64, 56, 48, 40, 32, 24, 16, 8]  # largest first, as serving engines capture
@@ -88,3 +93,59 @@ def test_eight_graphs_sharing_a_pool_in_any_replay_order(order: str) -> None:
     # Outputs the caller holds keep their last replay's values whatever ran after them.
     for i, want in expected.items():
         assert torch.equal(graphs[i][2], want), f"graph {i} output changed by later replays"
+
+
+# -- the pieces, on CPU tensors ----------------------------------------------------------------
+
+
+class _Ranges:
+    """A backend whose pool is a set of address ranges given by the test (``pool_ranges`` is
+    all ``PoolAddresses`` asks of a backend); counts how often it was asked."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.ranges = [_span(t) for t in tensors]
+        self.reads = 0
+
+    def pool_ranges(self, pool: object) -> list[tuple[int, int]]:
+        self.reads += 1
+        return list(self.ranges)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def test_pool_addresses_reads_ranges_once_and_again_only_on_a_miss() -> None:
+    inside, grown, outside = torch.ones(64), torch.ones(64), torch.ones(64)
+    backend = _Ranges(inside)
+    addresses = PoolAddresses(backend, pool=None, device="cpu")  # type: ignore[arg-type]
+    assert addresses.holds(inside) and addresses.holds(inside[10:])
+    assert backend.reads == 1
+    backend.ranges.append(_span(grown))  # the pool grew: found after one more read
+    assert addresses.holds(grown)
+    assert backend.reads == 2
+    assert addresses.holds(inside) and backend.reads == 2
+    assert not addresses.holds(outside)  # a miss reads again, then answers no
+    assert backend.reads == 3
+    assert not addresses.holds(torch.ones(0))  # no memory: nothing to alias
+    assert not addresses.holds(torch.ones(4, device="meta"))  # another device
+
+
+class Pair(NamedTuple):
+    pooled: torch.Tensor
+    static: torch.Tensor
+
+
+def test_bridge_aliases_pooled_tensors_and_holds_the_rest() -> None:
+    pooled, static = torch.zeros(8), torch.zeros(8)
+    output = {"pair": Pair(pooled, static), "n": 3}
+    bridge = Bridge("b", output, in_pool=lambda t: t is pooled)
+    held = bridge.output
+    assert type(held["pair"]) is Pair and held["n"] == 3
+    assert held["pair"].pooled is not pooled  # an alias: same memory, does not own it
+    assert held["pair"].pooled.data_ptr() == pooled.data_ptr()
+    assert held["pair"].static is static  # outside the pool: held as it is
+    bridge.update({"pair": Pair(torch.full((8,), 2.0), torch.full((8,), 5.0)), "n": 3})
+    assert torch.equal(pooled, torch.full((8,), 2.0))  # written through the alias
+    assert torch.equal(static, torch.full((8,), 5.0))

@@ -1,6 +1,7 @@
-"""The CUDA graph backend: ``torch.cuda.CUDAGraph`` segments, anchored private pools, CUDA
-streams, capture status through cuda-bindings (``cudart.py``), and the stream/event hooks that
-tell a capture which side streams were used.
+"""The CUDA graph backend: ``torch.cuda.CUDAGraph`` segments, anchored private pools (and the
+per-thread routing that puts a break's capture-time allocations in them), CUDA streams, capture
+status through cuda-bindings (``cudart.py``), and the stream/event hooks that tell a capture
+which side streams were used.
 """
 
 from __future__ import annotations
@@ -142,12 +143,7 @@ class CudaBackend:
     def pool_ranges(self, pool: Any) -> list[tuple[int, int]] | None:
         want = tuple(pool_id(pool))
         try:
-            try:
-                # A pool id narrows the snapshot to that pool's segments (torch >= 2.8); older
-                # versions take no argument and list every segment.
-                segments: list[dict[str, Any]] = torch.cuda.memory.memory_snapshot(want)  # type: ignore[no-untyped-call]
-            except TypeError:
-                segments = torch.cuda.memory.memory_snapshot()  # type: ignore[no-untyped-call]
+            segments = _snapshot_segments(want)
         except (RuntimeError, AttributeError):
             return None
         return [
@@ -158,6 +154,19 @@ class CudaBackend:
 
     def allocate_to_pool(self, pool: Any, device: Any) -> AbstractContextManager[bool]:
         return _allocate_to_pool(pool, device)
+
+
+def _snapshot_segments(want: tuple[int, ...]) -> list[dict[str, Any]]:
+    """The allocator's segments, narrowed to pool ``want`` where torch can (callers filter)."""
+    snapshot: Callable[..., list[dict[str, Any]]] = torch.cuda.memory.memory_snapshot
+    # Newest first: one pool without the allocation history (which can be long when recording
+    # is on); one pool; every segment (torch < 2.8 takes no argument).
+    for kwargs in ({"include_traces": False}, {}):
+        try:
+            return snapshot(want, **kwargs)
+        except TypeError:
+            continue
+    return snapshot()
 
 
 _ROUTING_API = (
