@@ -155,6 +155,15 @@ class CudaBackend:
     def allocate_to_pool(self, pool: Any, device: Any) -> AbstractContextManager[bool]:
         return _allocate_to_pool(pool, device)
 
+    def note_graph_memory(self, pool: Any, tensors: Sequence[Any]) -> None:
+        """Nothing to note: a CUDA kernel reads device memory at replay wherever it came from."""
+
+    def range_push(self, name: str) -> None:
+        torch.cuda.nvtx.range_push(name)  # type: ignore[no-untyped-call]
+
+    def range_pop(self) -> None:
+        torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
+
 
 def _snapshot_segments(want: tuple[int, ...]) -> list[dict[str, Any]]:
     """The allocator's segments, narrowed to pool ``want`` where torch can (callers filter)."""
@@ -213,15 +222,6 @@ def _allocate_to_pool(pool: Any, device: Any) -> Iterator[bool]:
             end(index, pid)
         finally:
             release(index, pid)
-
-    def note_graph_memory(self, pool: Any, tensors: Sequence[Any]) -> None:
-        """Nothing to note: a CUDA kernel reads device memory at replay wherever it came from."""
-
-    def range_push(self, name: str) -> None:
-        torch.cuda.nvtx.range_push(name)  # type: ignore[no-untyped-call]
-
-    def range_pop(self) -> None:
-        torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
 
 
 def _recover(pool: Any) -> None:
