@@ -1,22 +1,35 @@
 """Bridges: the capture-time outputs of a break, and copying fresh outputs into them at replay.
 
-The next graph segment was captured reading the tensors a break returned at capture, so those
-tensors (the *bridge*) are held strongly for the graph's lifetime and every replay copies the
-break's fresh output into them. Outputs are walked by ``_trees.py`` (tuples, lists, dicts, named
-tuples, dataclasses, plain objects, registered pytree types). At replay the fresh output must
-have the capture-time structure (types, dict keys, field names, lengths; tensors where tensors
-were): dicts are matched by key, never by position, and any other difference raises
-:class:`BreakOutputError` naming the break and the difference. Non-tensor values are part of the
-capture: later Python code saw the capture-time value.
+The next graph segment was captured reading the tensors a break returned at capture (the
+*bridge*), and every replay copies the break's fresh output into them. At capture the break
+runs with its allocations routed to the graph's pool, so a returned tensor normally lies in the
+pool: the bridge then holds it through a non-owning alias (``_aliases.alias_tensor``), and the
+block behaves like any intermediate of a monolithic graph. It stays allocated while the code
+after the break holds the capture-time tensor, then returns to the pool for later allocations
+of this capture or of other graphs sharing the pool (DESIGN.md, "Who may reuse a bridge's
+memory"). A tensor that does not lie in the pool (a static buffer or parameter returned as it
+is, memory from another allocator, a backend that cannot route) is held strongly, for the
+graph's lifetime, as before.
+
+Outputs are walked by ``_trees.py`` (tuples, lists, dicts, named tuples, dataclasses, plain
+objects, registered pytree types). At replay the fresh output must have the capture-time
+structure (types, dict keys, field names, lengths; tensors where tensors were): dicts are
+matched by key, never by position, and any other difference raises :class:`BreakOutputError`
+naming the break and the difference. Non-tensor values are part of the capture: later Python
+code saw the capture-time value.
 """
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from bcg_core import _trees
+from bcg_core._aliases import alias_tensor
+from bcg_core._backends import GraphBackend
 from bcg_core._errors import BreakOutputError
 
 
@@ -24,18 +37,67 @@ def contains_device_tensor(obj: Any, device_types: frozenset[str]) -> bool:
     return any(t.device.type in device_types for t in _trees.tensor_leaves(obj))
 
 
+class PoolAddresses:
+    """Whether a tensor's memory lies in one pool, for the duration of one capture.
+
+    The pool's address ranges are asked of the backend on the first query and again only on a
+    miss (the pool grew, or the tensor is not in it). Ranges once seen stay valid for the whole
+    capture: the allocator returns a pool's memory to the device only once no graph or capture
+    uses the pool. Tensors on another device, empty storages and backends that cannot say are
+    "not in the pool" (held strongly: always safe).
+    """
+
+    __slots__ = ("_backend", "_device", "_pool", "_ranges", "_starts")
+
+    def __init__(self, backend: GraphBackend, pool: Any, device: Any) -> None:
+        self._backend = backend
+        self._pool = pool
+        self._device = torch.device(device)
+        self._ranges: list[tuple[int, int]] = []
+        self._starts: list[int] = []
+
+    def holds(self, t: torch.Tensor) -> bool:
+        if t.device != self._device:
+            return False
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            return False
+        ptr = storage.data_ptr()
+        if self._find(ptr):
+            return True
+        ranges = self._backend.pool_ranges(self._pool)
+        if ranges is None:
+            return False
+        self._ranges = sorted(ranges)
+        self._starts = [start for start, _ in self._ranges]
+        return self._find(ptr)
+
+    def _find(self, ptr: int) -> bool:
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        return i >= 0 and ptr < self._ranges[i][1]
+
+
 class Bridge:
-    """The strongly held capture-time output of one break point."""
+    """The capture-time output of one break point, and the copy of fresh outputs into it.
+
+    ``in_pool`` says which tensors lie in the graph's pool: those are held through non-owning
+    aliases (the code after the break holds the owning tensors; see the module docstring), all
+    others strongly. Without it every tensor is held strongly.
+    """
 
     __slots__ = ("_dst", "_name", "_single", "_spec", "output")
 
-    def __init__(self, name: str, output: Any) -> None:
+    def __init__(
+        self, name: str, output: Any, in_pool: Callable[[torch.Tensor], bool] | None = None
+    ) -> None:
         self._name = name
+        if in_pool is not None:
+            output = _trees.map_tensors(output, lambda t: alias_tensor(t) if in_pool(t) else t)
         self.output = output
         leaves, self._spec = _trees.flatten(output)
         self._dst = [x for x in leaves if isinstance(x, torch.Tensor)]
-        # The common case (one output tensor) is checked against metadata read once: the bridge
-        # owns its tensors, so their shape, dtype and address never change.
+        # The common case (one output tensor) is checked against metadata read once: nothing
+        # else reaches the bridge's tensors, so their shape, dtype and address never change.
         one = output if isinstance(output, torch.Tensor) else None
         self._single = None if one is None else (one, one.shape, one.dtype, one.data_ptr())
 

@@ -15,7 +15,7 @@ import torch
 
 from bcg_core._aliases import alias_tree
 from bcg_core._backends import CaptureStatus, GraphBackend, Segment
-from bcg_core._bridges import Bridge, contains_device_tensor
+from bcg_core._bridges import Bridge, PoolAddresses, contains_device_tensor
 from bcg_core._context import active_capture, enter_capture, exit_capture
 from bcg_core._debug import DebugLevel, FreshTensorTracker, debug_level, report_leaks
 from bcg_core._errors import BreakOutputError, CaptureError, UnjoinedStreamError
@@ -61,6 +61,7 @@ class CaptureState:
         self.where = "before the first segment"
         self._segments_begun = 0
         self._last_break: str | None = None
+        self.pool_addresses = PoolAddresses(backend, pool, stream.device)
 
     def begin_segment(self) -> None:
         self._segments_begun += 1
@@ -169,11 +170,14 @@ class CaptureState:
         if self.debug is not DebugLevel.OFF:
             fresh = FreshTensorTracker(self.backend.device_type)
         try:
-            if fresh is None:
-                output = (stub if stub is not None else fn)(*args, **kwargs)
-            else:
-                with fresh:
+            # The break's allocations go to the graph's pool, so its output (the bridge) costs
+            # what a graph intermediate costs (DESIGN.md, "Who may reuse a bridge's memory").
+            with self.backend.allocate_to_pool(self.pool, self.stream.device) as routed:
+                if fresh is None:
                     output = (stub if stub is not None else fn)(*args, **kwargs)
+                else:
+                    with fresh:
+                        output = (stub if stub is not None else fn)(*args, **kwargs)
         finally:
             side_streams = self.tracker.end_break()
             self.in_break = False
@@ -190,7 +194,9 @@ class CaptureState:
             report_leaks(
                 name, fresh, output, (args, kwargs), strict=self.debug is DebugLevel.STRICT
             )
-        bridge = Bridge(name, output)
+        # Pooled tensors are held by alias; the code after the break gets the owning originals,
+        # which keep their blocks allocated for as long as it holds them.
+        bridge = Bridge(name, output, self.pool_addresses.holds if routed else None)
         self.backend.note_graph_memory(self.pool, bridge.tensors)
         self.steps.append(
             BreakStep(

@@ -233,6 +233,15 @@ class CpuBackend:
     def range_pop(self) -> None:
         """No device timeline (see :meth:`range_push`)."""
 
+    def pool_ranges(self, pool: Any) -> None:
+        """Unknown: a CPU pool is a token, not memory."""
+        return None
+
+    def allocate_to_pool(self, pool: Any, device: Any) -> AbstractContextManager[bool]:
+        """Routes nothing (yields False): a CPU pool is a token, so the capture holds a break's
+        output strongly, and each segment holds the tensors it replays on."""
+        return contextlib.nullcontext(False)
+
 
 def _no_hooks() -> None:
     """Nothing was installed."""

@@ -1,13 +1,16 @@
-"""The CUDA graph backend: ``torch.cuda.CUDAGraph`` segments, anchored private pools, CUDA
-streams, capture status through cuda-bindings (``cudart.py``), and the stream/event hooks that
-tell a capture which side streams were used.
+"""The CUDA graph backend: ``torch.cuda.CUDAGraph`` segments, anchored private pools (and the
+per-thread routing that puts a break's capture-time allocations in them), CUDA streams, capture
+status through cuda-bindings (``cudart.py``), and the stream/event hooks that tell a capture
+which side streams were used.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -16,6 +19,8 @@ import torch
 from bcg_core._backends.cudart import RUNTIME
 from bcg_core._backends.seam import CaptureInfo, StreamObserver, pool_id
 from bcg_core._errors import CaptureError
+
+logger = logging.getLogger("bcg_core")
 
 
 class CudaPool:
@@ -132,15 +137,23 @@ class CudaBackend:
         return _install_stream_hooks(observer)
 
     def pool_bytes(self, pool: Any) -> int | None:
+        ranges = self.pool_ranges(pool)
+        return None if ranges is None else sum(end - start for start, end in ranges)
+
+    def pool_ranges(self, pool: Any) -> list[tuple[int, int]] | None:
+        want = tuple(pool_id(pool))
         try:
-            segments: list[dict[str, Any]] = torch.cuda.memory.memory_snapshot()  # type: ignore[no-untyped-call]
+            segments = _snapshot_segments(want)
         except (RuntimeError, AttributeError):
             return None
-        return sum(
-            int(s["total_size"])
+        return [
+            (int(s["address"]), int(s["address"]) + int(s["total_size"]))
             for s in segments
-            if tuple(s.get("segment_pool_id", ())) == tuple(pool_id(pool))
-        )
+            if tuple(s.get("segment_pool_id", ())) == want
+        ]
+
+    def allocate_to_pool(self, pool: Any, device: Any) -> AbstractContextManager[bool]:
+        return _allocate_to_pool(pool, device)
 
     def note_graph_memory(self, pool: Any, tensors: Sequence[Any]) -> None:
         """Nothing to note: a CUDA kernel reads device memory at replay wherever it came from."""
@@ -150,6 +163,65 @@ class CudaBackend:
 
     def range_pop(self) -> None:
         torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
+
+
+def _snapshot_segments(want: tuple[int, ...]) -> list[dict[str, Any]]:
+    """The allocator's segments, narrowed to pool ``want`` where torch can (callers filter)."""
+    snapshot: Callable[..., list[dict[str, Any]]] = torch.cuda.memory.memory_snapshot
+    # Newest first: one pool without the allocation history (which can be long when recording
+    # is on); one pool; every segment (torch < 2.8 takes no argument).
+    for kwargs in ({"include_traces": False}, {}):
+        try:
+            return snapshot(want, **kwargs)
+        except TypeError:
+            continue
+    return snapshot()
+
+
+_ROUTING_API = (
+    "_cuda_beginAllocateCurrentThreadToPool",
+    "_cuda_endAllocateToPool",
+    "_cuda_releasePool",
+)
+
+
+@functools.cache
+def _routing_api() -> tuple[Callable[[int, Any], None], ...] | None:
+    """torch's per-thread pool routing (what ``torch.cuda.use_mem_pool`` uses, torch >= 2.8),
+    or None (said once) when this torch lacks it."""
+    fns = tuple(getattr(torch._C, name, None) for name in _ROUTING_API)
+    # torch.cuda.memory registers placeholder classes under these names in builds without them.
+    if all(callable(f) and not isinstance(f, type) for f in fns):
+        return fns  # type: ignore[return-value]
+    logger.warning(
+        "bcg: torch %s has no per-thread pool routing (torch._C.%s, torch >= 2.8): a break's "
+        "output is held outside the graph's pool for the graph's lifetime, which costs more "
+        "memory than a graph intermediate. Upgrade torch to share it through the pool.",
+        torch.__version__,
+        _ROUTING_API[0],
+    )
+    return None
+
+
+@contextlib.contextmanager
+def _allocate_to_pool(pool: Any, device: Any) -> Iterator[bool]:
+    api = _routing_api()
+    if api is None:
+        yield False
+        return
+    begin, end, release = api
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    pid = pool_id(pool)
+    # begin takes a reference on the pool and release gives it back, as use_mem_pool does.
+    begin(index, pid)
+    try:
+        yield True
+    finally:
+        try:
+            end(index, pid)
+        finally:
+            release(index, pid)
 
 
 def _recover(pool: Any) -> None:

@@ -125,6 +125,20 @@ class GraphBackend(Protocol):
 
     def range_pop(self) -> None:
         """Close the range opened by the last :meth:`range_push`."""
+
+    def pool_ranges(self, pool: Any) -> Sequence[tuple[int, int]] | None:
+        """The address ranges ``[start, end)`` of the memory the allocator holds for ``pool``
+        right now, or None when unknown (this backend or framework cannot say)."""
+        ...
+
+    def allocate_to_pool(self, pool: Any, device: Any) -> AbstractContextManager[bool]:
+        """While open, route every allocation the calling thread makes on ``device`` to
+        ``pool``; yields True. A break runs inside it at capture, so its output (the bridge) and
+        its temporaries live in the graph's pool like a monolithic graph's intermediates.
+
+        Yields False, routing nothing, where the backend has no such routing (CPU pools are
+        tokens; a CUDA torch without the thread routing API): the caller then holds what the
+        break returned strongly. Routing is undone however the block exits."""
         ...
 
 

@@ -1,0 +1,151 @@
+"""Bridges in a shared pool: eight graphs of different shapes captured largest first into one
+pool, each with breaks whose outputs feed the next segment (one of them is also the graph's
+output), replayed in several orders.
+
+Shared scenario (``device`` fixture): on CUDA a break's capture-time output lives in the pool and
+is held by a non-owning alias, so its block is handed to later captures once the code after the
+break drops it; every graph must still be right right after its own replay, whatever ran before,
+and every output the caller holds must keep its last replay's values. On the CPU backend bridges
+are held strongly (its pool is a token), so the same assertions check the shared logic.
+
+Also on CPU tensors: how a capture tells pooled tensors from others (``PoolAddresses``) and how a
+bridge holds each kind.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Callable
+from typing import NamedTuple
+
+import pytest
+import torch
+from graph_helpers import capture, device_graph
+
+from bcg_core import BreakableCUDAGraph, eager_on_graph
+from bcg_core._bridges import Bridge, PoolAddresses  # noqa: PLC2701
+
+HIDDEN = 32
+ROWS = [64, 56, 48, 40, 32, 24, 16, 8]  # largest first, as serving engines capture
+
+
+@eager_on_graph(name="gelu")
+def gelu_break(h: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(h)
+
+
+@eager_on_graph(name="norm")
+def norm_break(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = h.square().mean(-1, keepdim=True).add(1e-5).rsqrt()
+    return h * scale, scale
+
+
+@eager_on_graph(name="tail")
+def tail_break(h: torch.Tensor) -> torch.Tensor:
+    return h.tanh() + 1
+
+
+def _block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    tmp = x @ w1  # freed once the break has consumed it: later captures may get its block
+    h = gelu_break(tmp)
+    del tmp
+    normed, scale = norm_break(h @ w2)
+    del h
+    return tail_break(normed * scale + x)  # the graph's output is itself a bridge
+
+
+def _capture_all(
+    w1: torch.Tensor, w2: torch.Tensor
+) -> list[tuple[torch.Tensor, BreakableCUDAGraph, torch.Tensor]]:
+    first = device_graph()
+    backend = torch.get_default_device().type
+    graphs = []
+    for i, rows in enumerate(ROWS):
+        x = torch.randn(rows, HIDDEN)
+        graph = first if i == 0 else BreakableCUDAGraph(pool=first.pool(), backend=backend)
+        graph, out = capture(functools.partial(_block, x, w1, w2), graph)
+        assert graph.step_kinds == ("graph", "break", "graph", "break", "graph", "break")
+        graphs.append((x, graph, out))
+    return graphs
+
+
+ORDERS: dict[str, Callable[[int], list[int]]] = {
+    "forward": lambda n: list(range(n)),
+    "reversed": lambda n: list(reversed(range(n))),
+    "random": lambda n: random.Random(7).sample(list(range(n)) * 2, 2 * n),
+}
+
+
+@pytest.mark.usefixtures("device")
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_eight_graphs_sharing_a_pool_in_any_replay_order(order: str) -> None:
+    w1 = torch.randn(HIDDEN, HIDDEN) / HIDDEN**0.5
+    w2 = torch.randn(HIDDEN, HIDDEN) / HIDDEN**0.5
+    graphs = _capture_all(w1, w2)
+    expected: dict[int, torch.Tensor] = {}
+    for i in ORDERS[order](len(graphs)):
+        x, graph, out = graphs[i]
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        expected[i] = _block(x, w1, w2)
+        assert torch.equal(out, expected[i]), f"graph {i} ({ROWS[i]} rows) after its replay"
+    # Outputs the caller holds keep their last replay's values whatever ran after them.
+    for i, want in expected.items():
+        assert torch.equal(graphs[i][2], want), f"graph {i} output changed by later replays"
+
+
+# -- the pieces, on CPU tensors ----------------------------------------------------------------
+
+
+class _Ranges:
+    """A backend whose pool is a set of address ranges given by the test (``pool_ranges`` is
+    all ``PoolAddresses`` asks of a backend); counts how often it was asked."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.ranges = [_span(t) for t in tensors]
+        self.reads = 0
+
+    def pool_ranges(self, pool: object) -> list[tuple[int, int]]:
+        self.reads += 1
+        return list(self.ranges)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def test_pool_addresses_reads_ranges_once_and_again_only_on_a_miss() -> None:
+    inside, grown, outside = torch.ones(64), torch.ones(64), torch.ones(64)
+    backend = _Ranges(inside)
+    addresses = PoolAddresses(backend, pool=None, device="cpu")  # type: ignore[arg-type]
+    assert addresses.holds(inside) and addresses.holds(inside[10:])
+    assert backend.reads == 1
+    backend.ranges.append(_span(grown))  # the pool grew: found after one more read
+    assert addresses.holds(grown)
+    assert backend.reads == 2
+    assert addresses.holds(inside) and backend.reads == 2
+    assert not addresses.holds(outside)  # a miss reads again, then answers no
+    assert backend.reads == 3
+    assert not addresses.holds(torch.ones(0))  # no memory: nothing to alias
+    assert not addresses.holds(torch.ones(4, device="meta"))  # another device
+
+
+class Pair(NamedTuple):
+    pooled: torch.Tensor
+    static: torch.Tensor
+
+
+def test_bridge_aliases_pooled_tensors_and_holds_the_rest() -> None:
+    pooled, static = torch.zeros(8), torch.zeros(8)
+    output = {"pair": Pair(pooled, static), "n": 3}
+    bridge = Bridge("b", output, in_pool=lambda t: t is pooled)
+    held = bridge.output
+    assert type(held["pair"]) is Pair and held["n"] == 3
+    assert held["pair"].pooled is not pooled  # an alias: same memory, does not own it
+    assert held["pair"].pooled.data_ptr() == pooled.data_ptr()
+    assert held["pair"].static is static  # outside the pool: held as it is
+    bridge.update({"pair": Pair(torch.full((8,), 2.0), torch.full((8,), 5.0)), "n": 3})
+    assert torch.equal(pooled, torch.full((8,), 2.0))  # written through the alias
+    assert torch.equal(static, torch.full((8,), 5.0))
