@@ -90,9 +90,6 @@ def test_eight_graphs_sharing_a_pool_in_any_replay_order(order: str) -> None:
         graph.replay()
         expected[i] = _block(x, w1, w2)
         assert torch.equal(out, expected[i]), f"graph {i} ({ROWS[i]} rows) after its replay"
-    # Outputs the caller holds keep their last replay's values whatever ran after them.
-    for i, want in expected.items():
-        assert torch.equal(graphs[i][2], want), f"graph {i} output changed by later replays"
 
 
 # -- the pieces, on CPU tensors ----------------------------------------------------------------

@@ -245,7 +245,8 @@ def test_break_inputs_reused_by_a_later_capture_stay_correct(
     weights: tuple[torch.Tensor, torch.Tensor], stream: torch.cuda.Stream
 ) -> None:
     # Capture A, replay it, capture B (smaller, same pool: it is given A's freed break inputs
-    # and bridges), then replay in A, B, A order: every replay writes before it reads.
+    # and bridges), then replay in A, B, A order: every replay writes before it reads. As with
+    # torch.cuda.graph, B's output may live in memory A's replay rewrites: read it before.
     xa, xb = randn(1024, HIDDEN), randn(512, HIDDEN)
     graph_a = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph_a, stream=stream):
@@ -262,4 +263,3 @@ def test_break_inputs_reused_by_a_later_capture_stay_correct(
         assert torch.equal(out_b, _block(xb, *weights))
         graph_a.replay()
         assert torch.equal(out_a, _block(xa, *weights))
-        assert torch.equal(out_b, _block(xb, *weights))
