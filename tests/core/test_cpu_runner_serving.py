@@ -22,6 +22,8 @@ from bcg_core import (
     is_in_breakable_cuda_graph,
     signature_of,
 )
+from bcg_core.bench import BenchContext
+from bcg_core.bench._workloads import discover  # noqa: PLC2701
 
 
 @eager_on_graph
@@ -263,3 +265,13 @@ def test_capture_runs_the_step_warmups_plus_one_and_returns_its_output(
     assert int(position) == 1
     runner.capture(x)  # already captured: one run (a replay)
     assert int(position) == 2
+
+
+# -- the memory workload ------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA path")
+def test_memory_workload_skips_without_cuda_saying_why() -> None:
+    results = discover()["memory"](BenchContext(torch.device("cpu"), smoke=True))
+    assert [m.contender for m in results] == ["full_graph", "bcg"]
+    assert all(m.skipped is not None and "needs CUDA" in m.skipped for m in results)

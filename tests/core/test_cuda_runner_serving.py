@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from bcg_core import BreakableGraphRunner, eager_on_graph
+from bcg_core.bench import BenchContext
+from bcg_core.bench._workloads import discover  # noqa: PLC2701
 
 pytestmark = pytest.mark.cuda
 
@@ -107,3 +109,10 @@ def test_a_cpu_zero_dim_input_is_filled_into_its_device_buffer() -> None:
         t = torch.tensor(value)
         assert torch.allclose(runner(x, t), model(x, t.cuda()))
     assert runner.stats.hits == 4 and runner.stats.misses == 0
+
+
+def test_memory_workload_measures_both_and_replays_correctly() -> None:
+    plain, bcg = discover()["memory"](BenchContext(torch.device("cuda"), smoke=True))
+    assert plain.pool_mb is not None and plain.pool_mb > 0
+    assert bcg.pool_mb is not None and bcg.ratio_to_full_graph is not None
+    assert bcg.correct is True

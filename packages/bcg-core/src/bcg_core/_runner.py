@@ -161,6 +161,7 @@ class BreakableGraphRunner:
         self._turn = turn if pool is None else share_turn(pool, turn)
         self._lock = self._turn.lock
         self._scalars = ScalarSlots(as_tensor, module)
+        self._lift = self._scalars.lift if self._scalars else None
         self._window = 0
         self._entries: OrderedDict[Signature, Entry] = OrderedDict()
         self._blocked: dict[Signature, str] = {}
@@ -182,9 +183,10 @@ class BreakableGraphRunner:
         with self._lock:
             if not self._can_graph():
                 return self.module(*args, **kwargs)
-            call_args, call_kwargs, values = (
-                self._scalars.lift(args, kwargs) if self._scalars else (args, kwargs, [])
-            )
+            if self._lift is None:
+                call_args, call_kwargs, values = args, kwargs, []
+            else:
+                call_args, call_kwargs, values = self._lift(args, kwargs)
             sig, live = signature_and_tensors(call_args, call_kwargs)
             entry = self._entries.get(sig)
             if entry is not None:

@@ -83,9 +83,14 @@ def signature_and_tensors(
 ) -> tuple[Signature, list[torch.Tensor]]:
     """The signature and, in one walk (a replay's hot path), the call's tensors that live in
     containers, in the order :func:`static_call` makes their static buffers."""
-    if not kwargs and all(type(a) is torch.Tensor for a in args):
-        plain = tuple([("tensor", a.shape, a.dtype, a.device) for a in args])
-        return (_plain_spec(len(args)), plain), list(args)
+    if not kwargs:
+        plain = []
+        for a in args:
+            if type(a) is not torch.Tensor:
+                break
+            plain.append(("tensor", a.shape, a.dtype, a.device))
+        else:
+            return (_plain_spec(len(args)), tuple(plain)), list(args)
     leaves, spec = _trees.flatten(_call(args, kwargs))
     keys: list[Any] = []
     live: list[torch.Tensor] = []

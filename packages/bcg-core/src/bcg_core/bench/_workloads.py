@@ -36,6 +36,7 @@ def discover() -> dict[str, Workload]:
         "decoder": decoder_workload,
         "break-overhead": break_overhead,
         "hf-llama": _lazy("bcg_core.bench._hf_llama", "hf_llama_workload"),
+        "memory": _lazy("bcg_core.bench._memory_workload", "memory_workload"),
     }
     for ep in importlib.metadata.entry_points(group=WORKLOAD_GROUP):
         if ep.name not in found:
