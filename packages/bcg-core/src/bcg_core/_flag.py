@@ -31,7 +31,7 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 def bcg_disabled_by_env() -> bool:
     """True when ``BCG_DISABLE`` is set to a true value (1, true, yes, on)."""
     value = os.environ.get("BCG_DISABLE")  # read at every call: a runner's hot path
-    return bool(value) and value.strip().lower() in _TRUE
+    return value is not None and value.strip().lower() in _TRUE
 
 
 def breakable_graphs_disabled() -> bool:

@@ -183,8 +183,9 @@ class BreakableGraphRunner:
         with self._lock:
             if not self._can_graph():
                 return self.module(*args, **kwargs)
+            values: list[bool | int | float] = []
             if self._lift is None:
-                call_args, call_kwargs, values = args, kwargs, []
+                call_args, call_kwargs = args, kwargs
             else:
                 call_args, call_kwargs, values = self._lift(args, kwargs)
             sig, live = signature_and_tensors(call_args, call_kwargs)
