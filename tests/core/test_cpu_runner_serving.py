@@ -141,7 +141,7 @@ def test_as_tensor_scalars_replay_one_graph_for_every_value(
     gen = torch.Generator(device="cpu").manual_seed(0)
     with caplog.at_level(logging.WARNING, logger="bcg_core"):
         for i in range(500):
-            t, g = float(torch.rand((), generator=gen)), 1.0 + i / 100
+            t, g = float(torch.rand((), generator=gen, device="cpu")), 1.0 + i / 100
             by_keyword = i % 2 == 1  # "t" is lifted either way: it is the 2nd parameter
             out = runner(x, t=t, guidance=g) if by_keyword else runner(x, t, guidance=g)
             tt = torch.tensor(t)
