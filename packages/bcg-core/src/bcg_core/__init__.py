@@ -24,7 +24,12 @@ from bcg_core._errors import (
     ReplayError,
     UnjoinedStreamError,
 )
-from bcg_core._flag import enable_breakable_cuda_graph, is_in_breakable_cuda_graph
+from bcg_core._flag import (
+    breakable_graphs_disabled,
+    disable_breakable_graphs,
+    enable_breakable_cuda_graph,
+    is_in_breakable_cuda_graph,
+)
 from bcg_core._graph import BreakableCUDAGraph
 from bcg_core._runner import BreakableGraphRunner, EntryStats, RunnerStats
 from bcg_core._signature import describe_difference, signature_of
@@ -46,8 +51,10 @@ __all__ = [
     "__version__",
     "break_graph",
     "breakable_attention",
+    "breakable_graphs_disabled",
     "check_capture",
     "describe_difference",
+    "disable_breakable_graphs",
     "eager_on_graph",
     "enable_breakable_cuda_graph",
     "get_current_stream",

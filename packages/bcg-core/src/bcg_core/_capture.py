@@ -19,6 +19,7 @@ from bcg_core._bridges import Bridge, PoolAddresses, contains_device_tensor
 from bcg_core._context import active_capture, enter_capture, exit_capture
 from bcg_core._debug import DebugLevel, FreshTensorTracker, debug_level, report_leaks
 from bcg_core._errors import BreakOutputError, CaptureError, UnjoinedStreamError
+from bcg_core._flag import breakable_graphs_disabled, disabled_reason
 from bcg_core._graph import BreakableCUDAGraph, BreakStep, SegmentStep, Step
 from bcg_core._streams import StreamTracker, stream_hooks
 
@@ -262,7 +263,8 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
 
     Failure modes: bad arguments raise ``TypeError``/``ValueError`` before anything starts; a
     nested capture, a graph that already holds a capture (call ``reset()``), a stream that is
-    already capturing, or a machine without CUDA raise :class:`CaptureError`. An exception from
+    already capturing, a machine without CUDA, or disabled breakable graphs (``BCG_DISABLE=1``,
+    ``disable_breakable_graphs()``) raise :class:`CaptureError`. An exception from
     the captured code propagates unchanged (with a note saying where it was raised); in every
     case the stream leaves capture mode, context variables are reset, stream hooks are removed,
     and the graph is left in the failed state, ready for ``reset()`` and a new capture.
@@ -316,6 +318,11 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
             raise CaptureError(
                 "nested breakable capture: a BreakableCUDAGraphCapture is already active in this "
                 "context; capture graphs one after the other"
+            )
+        if breakable_graphs_disabled():
+            raise CaptureError(
+                f"breakable graphs are disabled ({disabled_reason()}); run the model eagerly "
+                "instead of capturing (BreakableGraphRunner does so by itself)"
             )
         backend = self.cuda_graph._backend_impl
         backend.check_available()

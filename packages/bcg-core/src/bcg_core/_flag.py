@@ -1,9 +1,14 @@
-"""The runtime flag that model code reads to route its uncapturable calls through break points.
+"""The runtime flag that model code reads to route its uncapturable calls through break points,
+and the switch that turns breakable graphs off.
 
 The flag is a context variable: it is per thread and per asyncio task, and nesting restores the
-previous value. Setting ``BCG_DISABLE=1`` in the environment makes
-:func:`enable_breakable_cuda_graph` leave the flag off, so a whole deployment can fall back to
-plain eager code without a code change.
+previous value.
+
+Breakable graphs are *disabled* when ``BCG_DISABLE`` is set to a true value in the environment
+(the whole process, no code change) or inside :func:`disable_breakable_graphs` (this context).
+Disabled, :func:`enable_breakable_cuda_graph` leaves the flag off (model code takes its eager
+path), ``BreakableGraphRunner`` runs every call eagerly, and ``BreakableCUDAGraphCapture``
+refuses to start (a capture without breaks would freeze the eager code inside one graph).
 """
 
 from __future__ import annotations
@@ -12,18 +17,46 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 
 from bcg_core._errors import BCG_FAILURE_HINT
 
 logger = logging.getLogger("bcg_core")
 
 _ENABLED: ContextVar[bool] = ContextVar("bcg_core_enabled", default=False)
+_DISABLED: ContextVar[bool] = ContextVar("bcg_core_disabled", default=False)
+_TRUE = frozenset({"1", "true", "yes", "on"})
 
 
 def bcg_disabled_by_env() -> bool:
     """True when ``BCG_DISABLE`` is set to a true value (1, true, yes, on)."""
-    return os.environ.get("BCG_DISABLE", "").strip().lower() in {"1", "true", "yes", "on"}
+    value = os.environ.get("BCG_DISABLE")  # read at every call: a runner's hot path
+    return value is not None and value.strip().lower() in _TRUE
+
+
+def breakable_graphs_disabled() -> bool:
+    """True when breakable graphs are off here: ``BCG_DISABLE`` is set, or the caller is inside
+    :func:`disable_breakable_graphs`. Code that captures by hand should run eagerly then."""
+    return _DISABLED.get() or bcg_disabled_by_env()
+
+
+def disabled_reason() -> str:
+    """Why :func:`breakable_graphs_disabled` is true, in words (for log lines and errors)."""
+    if bcg_disabled_by_env():
+        return f"BCG_DISABLE={os.environ.get('BCG_DISABLE', '').strip()} is set"
+    return "the call is inside disable_breakable_graphs()"
+
+
+@contextlib.contextmanager
+def disable_breakable_graphs() -> Iterator[None]:
+    """Turn breakable graphs off for the enclosed block (this thread or task), as
+    ``BCG_DISABLE=1`` does for the whole process: the flag stays off, runners run eagerly, and
+    captures refuse to start. Nesting restores the previous state on exit."""
+    token = _DISABLED.set(True)
+    try:
+        yield
+    finally:
+        _DISABLED.reset(token)
 
 
 def is_in_breakable_cuda_graph() -> bool:
@@ -40,12 +73,13 @@ def is_in_breakable_cuda_graph() -> bool:
 def enable_breakable_cuda_graph(enabled: bool = True) -> Iterator[None]:
     """Set the runtime flag for the enclosed block and restore the previous value on exit.
 
-    ``BCG_DISABLE=1`` forces the flag off. If the block raises, :data:`BCG_FAILURE_HINT` is logged
-    at error level on logger ``bcg_core`` and the exception is re-raised unchanged.
+    Disabled breakable graphs (``BCG_DISABLE=1``, :func:`disable_breakable_graphs`) force the
+    flag off. If the block raises, :data:`BCG_FAILURE_HINT` is logged at error level on logger
+    ``bcg_core`` and the exception is re-raised unchanged.
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enable_breakable_cuda_graph(enabled=...) takes a bool, got {enabled!r}")
-    token = _ENABLED.set(enabled and not bcg_disabled_by_env())
+    token = _ENABLED.set(enabled and not breakable_graphs_disabled())
     try:
         yield
     except Exception:
@@ -53,3 +87,13 @@ def enable_breakable_cuda_graph(enabled: bool = True) -> Iterator[None]:
         raise
     finally:
         _ENABLED.reset(token)
+
+
+def flag_on() -> Token[bool]:
+    """Set the flag (a replay's cheap form of :func:`enable_breakable_cuda_graph`: no generator,
+    no hint); the caller checked that graphs are not disabled and resets with :func:`flag_reset`."""
+    return _ENABLED.set(True)
+
+
+def flag_reset(token: Token[bool]) -> None:
+    _ENABLED.reset(token)

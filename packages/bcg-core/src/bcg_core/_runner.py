@@ -4,20 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from bcg_core import _trees
 from bcg_core._backends import backend_for
 from bcg_core._capture import BreakableCUDAGraphCapture
-from bcg_core._flag import enable_breakable_cuda_graph
+from bcg_core._flag import (
+    breakable_graphs_disabled,
+    disabled_reason,
+    enable_breakable_cuda_graph,
+    flag_on,
+    flag_reset,
+)
 from bcg_core._graph import BreakableCUDAGraph
+from bcg_core._runner_entry import Entry
+from bcg_core._runner_pool import PoolTurn, share_turn
+from bcg_core._scalars import ScalarSlots
 from bcg_core._signature import (
     Signature,
     describe_difference,
@@ -28,16 +36,26 @@ from bcg_core._signature import (
 
 logger = logging.getLogger("bcg_core")
 
+MISS_LOG_LIMIT = 8
+"""Distinct missed signatures logged with their details; later misses are only counted."""
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+
 
 @dataclass(frozen=True)
 class EntryStats:
-    """One captured signature: graph segments launched per replay, and its pool's bytes."""
+    """One captured signature: graph segments launched per replay, breaks run per replay, the
+    bytes its (shared) pool held right after this capture (None where the backend cannot
+    tell), replays so far, how many times :meth:`BreakableGraphRunner.capture` ran the step
+    for it (warm-ups + the capture), and the pool it was captured into."""
 
     signature: Signature
     segments: int
     breaks: int
     pool_bytes: int | None
     replays: int
+    capture_runs: int
+    pool: Any
 
 
 @dataclass(frozen=True)
@@ -52,40 +70,51 @@ class RunnerStats:
     entries: tuple[EntryStats, ...] = field(default=())
 
 
-@dataclass
-class _Entry:
-    graph: BreakableCUDAGraph
-    statics: list[torch.Tensor]
-    static_args: tuple[Any, ...]
-    static_kwargs: dict[str, Any]
-    output: Any
-    keep_alive: list[Any]
-    pool_bytes: int | None
-    replays: int = 0
-
-
 class BreakableGraphRunner:
     """Stand-in for a module (or any callable) that replays one breakable graph per signature.
 
-    The signature of a call (see ``_signature.py``) is its tensor shapes, dtypes and devices, its
-    constants and container structure, and every other object by identity. For each captured
-    signature the runner owns persistent static input buffers (a CPU tensor input, such as a
-    timestep, gets a buffer on ``device``), a :class:`BreakableCUDAGraph` in its own pool, and the
-    static output.
+    **Signatures.** The signature of a call (see ``_signature.py``) is its tensor shapes,
+    dtypes and devices, its constants and container structure, the addresses of tensors inside
+    object arguments, and every other object by identity. For each captured signature the
+    runner owns persistent static input buffers (a CPU tensor input, such as a timestep, gets a
+    buffer on ``device``), a :class:`BreakableCUDAGraph` and its static output. A Python number
+    is a constant of the signature unless its argument is named in ``as_tensor`` (positions and
+    keyword names, e.g. ``as_tensor=("t", "guidance")``): there a ``bool``/``int``/``float`` is
+    passed to the captured call as a 0-dim tensor on ``device`` (dtype as ``torch.tensor(v)``),
+    rewritten at every call, so one graph serves every value; the model must accept a tensor
+    there (arithmetic works unchanged; ``int(t)`` or ``if t > 0`` would sync the host).
 
-    Capture only happens in :meth:`capture` or inside a :meth:`warmup` window: warm-up runs on a
-    side stream, then the call is captured under :func:`enable_breakable_cuda_graph`. While
-    serving, a known signature is replayed (live inputs copied into the static buffers with one
-    batched copy; the replay runs inside ``replay_context()`` if given) and a clone of the output
-    is returned (``return_views=True`` returns the static output itself, valid until the next
-    replay). An unknown signature runs eagerly and never captures; the first miss of each
-    signature logs which fields differ from the captured ones.
+    **One pool.** Every signature captures into one memory pool, :attr:`pool`, so graphs reuse
+    each other's intermediate memory and the runner costs about what its largest graph costs;
+    capture the largest shape first (:meth:`capture_many` does). ``pool=other.pool`` shares a
+    pool with another runner (or a graph's ``pool()``): runners sharing a pool share one lock
+    and one device event, so their replays run one at a time, as graphs sharing a pool must.
 
-    Failure modes: a capture that raises blocks its signature (eager from then on) with a warning
-    naming it; a capture with more than ``max_segments`` segments disables the runner (eager for
-    everything, reason in :attr:`disabled_reason`); beyond ``max_entries`` the least recently used
-    entry is evicted and its memory freed. With ``device="cuda"`` and no CUDA device every call
-    runs eagerly, with a one-time notice; ``device="cpu"`` captures CPU graphs (the CPU backend of
+    **Capture** happens only in :meth:`capture`, :meth:`capture_many` or inside a
+    :meth:`warmup` window: ``warmup_iters`` eager runs on :attr:`stream`, then the capture on
+    the same stream, both under :func:`enable_breakable_cuda_graph`. Capturing runs the step
+    ``warmup_iters + 1`` times (``EntryStats.capture_runs``): the capture itself executes the
+    step once and its output is returned (no replay after capture). Stateful inputs (a KV cache
+    position) advance that often: capture at start-up, then reset them.
+
+    **Serving.** A known signature is replayed: the call's inputs are written into the static
+    buffers (one batched copy), the graph replays under the runtime flag (and inside
+    ``replay_context()`` if given), and a clone of the output is returned (``return_views=True``
+    returns the static output itself, valid until the next replay). Device order: a call's
+    input copies wait on an event recorded after the previous use of the pool, on whatever
+    stream that ran, and the clone is taken on the replay stream before the next event. An
+    unknown signature runs eagerly and never captures; the first :data:`MISS_LOG_LIMIT`
+    distinct misses are logged with the fields that differ from the nearest captured
+    signature, later ones are only counted in :attr:`stats`.
+
+    **Failure modes.** Breakable graphs disabled (``BCG_DISABLE=1`` or inside
+    :func:`disable_breakable_graphs`): every call runs eagerly, announced once per runner. A
+    capture that raises blocks its signature (eager from then on) with a warning naming it; a
+    capture with more than ``max_segments`` segments disables the runner (eager for everything,
+    reason in :attr:`disabled_reason`); beyond ``max_entries`` the least recently used entry is
+    evicted (after its last replay finished on the device) and its graph's memory goes back to
+    the pool. With ``device="cuda"`` and no CUDA device every call runs eagerly, with a
+    one-time notice; ``device="cpu"`` captures CPU graphs (the CPU backend of
     :class:`BreakableCUDAGraph`, with CUDA's capture rules). Attribute access falls through to
     the wrapped module. Calls are serialised by a lock: static buffers are shared state.
     """
@@ -100,6 +129,8 @@ class BreakableGraphRunner:
         warmup_iters: int = 2,
         return_views: bool = False,
         replay_context: Callable[[], AbstractContextManager[Any]] | None = None,
+        pool: Any = None,
+        as_tensor: Iterable[int | str] = (),
     ) -> None:
         if not callable(module):
             raise TypeError(f"BreakableGraphRunner wraps a callable, got {module!r}")
@@ -109,6 +140,11 @@ class BreakableGraphRunner:
             raise ValueError(f"max_segments must be >= 1 or None, got {max_segments}")
         if warmup_iters < 0:
             raise ValueError(f"warmup_iters must be >= 0, got {warmup_iters}")
+        if isinstance(pool, (BreakableCUDAGraph, BreakableGraphRunner)):
+            raise TypeError(
+                f"pool= takes a memory pool, got a {type(pool).__name__}; pass its pool "
+                "(runner.pool, or graph.pool())"
+            )
         self.module = module
         self.device = torch.device(device)
         self.max_entries = max_entries
@@ -117,14 +153,21 @@ class BreakableGraphRunner:
         self.return_views = return_views
         self.replay_context = replay_context
         self.disabled_reason: str | None = None
-        self._lock = threading.RLock()
-        self._window = 0
-        self._entries: OrderedDict[Signature, _Entry] = OrderedDict()
-        self._blocked: dict[Signature, str] = {}
-        self._diagnosed: set[Signature] = set()
-        self._no_cuda_noticed = False
         # device="cpu" captures CPU graphs; every other device goes to the CUDA backend.
         self._graph_backend = backend_for("cpu" if self.device.type == "cpu" else "cuda")
+        self._pool = pool
+        self._owns_pool = pool is None
+        turn = PoolTurn(self._graph_backend)
+        self._turn = turn if pool is None else share_turn(pool, turn)
+        self._lock = self._turn.lock
+        self._scalars = ScalarSlots(as_tensor, module)
+        self._lift = self._scalars.lift if self._scalars else None
+        self._window = 0
+        self._entries: OrderedDict[Signature, Entry] = OrderedDict()
+        self._blocked: dict[Signature, str] = {}
+        self._logged_misses: set[Signature] = set()
+        self._no_cuda_noticed = False
+        self._disabled_noticed = False
         self._side: Any = None
         self._counts = {"hits": 0, "misses": 0, "captures": 0, "failed": 0, "evictions": 0}
 
@@ -140,14 +183,19 @@ class BreakableGraphRunner:
         with self._lock:
             if not self._can_graph():
                 return self.module(*args, **kwargs)
-            sig, live = signature_and_tensors(args, kwargs)
+            values: list[bool | int | float] = []
+            if self._lift is None:
+                call_args, call_kwargs = args, kwargs
+            else:
+                call_args, call_kwargs, values = self._lift(args, kwargs)
+            sig, live = signature_and_tensors(call_args, call_kwargs)
             entry = self._entries.get(sig)
             if entry is not None:
                 self._entries.move_to_end(sig)
                 self._counts["hits"] += 1
-                return self._replay(entry, live)
+                return self._replay(entry, live, values)
             if sig not in self._blocked and self._window > 0:
-                return self._capture(sig, args, kwargs)
+                return self._capture(sig, (args, kwargs), (call_args, call_kwargs), values)
             self._counts["misses"] += 1
             self._diagnose_miss(sig)
             return self.module(*args, **kwargs)
@@ -155,10 +203,33 @@ class BreakableGraphRunner:
     # -- capture control ----------------------------------------------------------------------
 
     def capture(self, *args: Any, **kwargs: Any) -> Any:
-        """Capture (if not captured yet) the graph for this call's signature and return the
-        call's output from a replay; falls back to eager when capture is impossible."""
+        """Capture the graph for this call's signature and return the call's output.
+
+        Runs the step ``warmup_iters + 1`` times (warm-ups, then the capture, whose output is
+        returned); once when the signature is already captured (a replay) or cannot be
+        captured (blocked, graphs disabled, no CUDA: one eager run).
+        """
         with self.warmup():
             return self(*args, **kwargs)
+
+    def capture_many(
+        self, calls: Iterable[Call], *, order: Literal["largest_first", "given"] = "largest_first"
+    ) -> None:
+        """Capture one graph per call, as engines do at start-up; each call is
+        ``(args, kwargs)``. ``order="largest_first"`` (the default) captures in decreasing
+        total bytes of the call's tensors (ties keep the given order): a graph captured later
+        into the shared pool reuses the memory that larger graphs freed during their capture,
+        so the pool ends up the size of the largest graph. ``order="given"`` keeps the order.
+        Outputs are not kept (use :meth:`capture` for one); see :attr:`stats`.
+        """
+        if order not in ("largest_first", "given"):
+            raise ValueError(f"order must be 'largest_first' or 'given', got {order!r}")
+        checked = [_check_call(i, c) for i, c in enumerate(calls)]
+        if order == "largest_first":
+            checked.sort(key=_call_bytes, reverse=True)  # stable: ties keep the given order
+        with self.warmup():
+            for args, kwargs in checked:
+                self(*args, **kwargs)
 
     @contextlib.contextmanager
     def warmup(self) -> Iterator[BreakableGraphRunner]:
@@ -172,21 +243,60 @@ class BreakableGraphRunner:
                 self._window -= 1
 
     def reset(self) -> None:
-        """Drop every entry, block and counter; re-enable a disabled runner."""
+        """Drop every entry, block and counter; re-enable a disabled runner.
+
+        Waits until the last replay has finished on the device, then resets every graph. A
+        pool this runner made is released (a later capture makes a new one): its memory
+        returns to the allocator once nothing else holds it (``torch.cuda.empty_cache()``
+        then returns it to the device). A pool given with ``pool=`` is kept for later
+        captures: the graphs' blocks return to it, for whoever shares it.
+        """
         with self._lock:
+            self._turn.drain()
             for entry in self._entries.values():
                 entry.graph.reset()
             self._entries.clear()
             self._blocked.clear()
-            self._diagnosed.clear()
+            self._logged_misses.clear()
             self.disabled_reason = None
             self._counts = dict.fromkeys(self._counts, 0)
+            if self._owns_pool:
+                self._pool = None
+
+    @property
+    def pool(self) -> Any:
+        """The memory pool every graph of this runner captures into (made on first use; pass
+        it as ``pool=`` to share it). Raises :class:`CaptureError` where the runner's backend
+        cannot capture (``device="cuda"`` without CUDA)."""
+        with self._lock:
+            if self._pool is None:
+                self._graph_backend.check_available()
+                self._pool = self._graph_backend.new_pool()
+                share_turn(self._pool, self._turn)
+            return self._pool
+
+    @property
+    def stream(self) -> Any:
+        """The stream warm-ups and captures run on: one per runner, made on first use and
+        reused (each new stream costs a cuBLAS workspace that is never returned)."""
+        with self._lock:
+            if self._side is None:
+                self._side = self._graph_backend.new_stream(self.device)
+            return self._side
 
     @property
     def stats(self) -> RunnerStats:
         with self._lock:
             entries = tuple(
-                EntryStats(sig, e.graph.num_segments, e.graph.num_breaks, e.pool_bytes, e.replays)
+                EntryStats(
+                    sig,
+                    e.graph.num_segments,
+                    e.graph.num_breaks,
+                    e.pool_bytes,
+                    e.replays,
+                    e.capture_runs,
+                    e.graph.pool(),
+                )
                 for sig, e in self._entries.items()
             )
             c = self._counts
@@ -205,6 +315,15 @@ class BreakableGraphRunner:
     def _can_graph(self) -> bool:
         if self.disabled_reason is not None:
             return False
+        if breakable_graphs_disabled():
+            if not self._disabled_noticed:
+                self._disabled_noticed = True
+                logger.warning(
+                    "bcg: breakable graphs are disabled (%s); %s runs every call eagerly",
+                    disabled_reason(),
+                    type(self).__name__,
+                )
+            return False
         if not self._graph_backend.is_available():
             if not self._no_cuda_noticed:
                 self._no_cuda_noticed = True
@@ -215,49 +334,46 @@ class BreakableGraphRunner:
             return False
         return True
 
-    def _static(self, t: torch.Tensor) -> torch.Tensor:
-        buf = torch.empty_like(t, device=self.device) if t.device != self.device else t.clone()
-        buf.copy_(t)
-        return buf
-
-    def _capture(self, sig: Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _capture(self, sig: Signature, call: Call, lifted: Call, values: list[Any]) -> Any:
+        backend, device = self._graph_backend, self.device
         statics: list[torch.Tensor] = []
+        fill: list[int] = []
 
         def make_static(t: torch.Tensor) -> torch.Tensor:
-            buf = self._static(t)
+            if t.device == device:
+                buf = t.clone()
+            else:
+                buf = torch.empty_like(t, device=device)
+                buf.copy_(t)
+                if t.dim() == 0 and t.device.type == "cpu" and buf.device.type != "cpu":
+                    fill.append(len(statics))
             statics.append(buf)
             return buf
 
-        static_args, static_kwargs = static_call(args, kwargs, make_static)
-        backend = self._graph_backend
-        graph = BreakableCUDAGraph(backend=backend.name)
-        # Static buffers are device memory the graph re-reads at every replay.
-        backend.note_graph_memory(graph.pool(), statics)
+        static_args, static_kwargs = static_call(*lifted, make_static)
+        scalars: list[torch.Tensor] = []
+        if values:
+            static_args, static_kwargs, scalars = self._scalars.place(
+                static_args, static_kwargs, values, device
+            )
+        graph = BreakableCUDAGraph(pool=self.pool, backend=backend.name)
+        # Static buffers and scalar slots are device memory the graph re-reads at every replay.
+        backend.note_graph_memory(graph.pool(), [*statics, *scalars])
+        current, side = backend.current_stream(device), self.stream
+        # The side stream reads the static buffers written on the current stream, and may
+        # reuse pool memory that the last replay (on any stream) still uses.
+        side.wait_stream(current)
+        self._turn.wait(side)
         try:
-            if self._side is None:
-                # One stream for every warm-up and capture: each new stream costs a cuBLAS
-                # workspace that is never returned.
-                self._side = backend.new_stream(self.device)
-            side = self._side
-            side.wait_stream(backend.current_stream(self.device))
             with backend.stream_context(side), enable_breakable_cuda_graph():
                 for _ in range(self.warmup_iters):
                     self.module(*static_args, **static_kwargs)
-            backend.current_stream(self.device).wait_stream(side)
             with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph, stream=side):
                 output = self.module(*static_args, **static_kwargs)
         except Exception as exc:
-            self._counts["failed"] += 1
-            self._blocked[sig] = f"{type(exc).__name__}: {exc}"
-            graph.reset()
-            logger.warning(
-                "bcg: capture failed for signature %s (%s: %s); this signature runs eagerly from "
-                "now on",
-                sig,
-                type(exc).__name__,
-                exc,
-            )
-            return self.module(*args, **kwargs)
+            current.wait_stream(side)  # before the static buffers are freed
+            return self._capture_failed(sig, graph, exc, call)
+        current.wait_stream(side)
         if self.max_segments is not None and graph.num_segments > self.max_segments:
             self.disabled_reason = (
                 f"a capture produced {graph.num_segments} graph segments, more than "
@@ -265,45 +381,80 @@ class BreakableGraphRunner:
             )
             graph.reset()
             logger.warning("bcg: runner disabled: %s", self.disabled_reason)
-            return self.module(*args, **kwargs)
-        entry = _Entry(
+            return self.module(*call[0], **call[1])
+        entry = Entry(
             graph=graph,
             statics=statics,
-            static_args=static_args,
-            static_kwargs=static_kwargs,
+            fill=tuple(fill),
+            scalars=scalars,
             output=output,
-            keep_alive=identity_objects(args, kwargs),
+            keep_alive=identity_objects(*call),
+            capture_runs=self.warmup_iters + 1,
             pool_bytes=graph.pool_bytes(),
         )
         self._counts["captures"] += 1
         self._entries[sig] = entry
         while len(self._entries) > self.max_entries:
             _, old = self._entries.popitem(last=False)
+            self._turn.drain()  # its last replay may still run on some stream
             old.graph.reset()
             self._counts["evictions"] += 1
-        return self._replay(entry, signature_and_tensors(args, kwargs)[1])
+        # The capture executed the step (segments are launched as they are captured), so its
+        # output holds this call's result: no replay is needed.
+        result = output if self.return_views else entry.clone()
+        self._turn.record(current)
+        return result
 
-    def _replay(self, entry: _Entry, live: list[torch.Tensor]) -> Any:
-        pairs = [
-            (d, s) for d, s in zip(entry.statics, live, strict=True) if d.data_ptr() != s.data_ptr()
-        ]
-        if pairs:
-            dst, src = [d for d, _ in pairs], [s for _, s in pairs]
-            torch._foreach_copy_(dst, src)
-        entry.replays += 1
-        if self.replay_context is None:
-            entry.graph.replay()
-        else:
-            with self.replay_context():
+    def _capture_failed(
+        self, sig: Signature, graph: BreakableCUDAGraph, exc: Exception, call: Call
+    ) -> Any:
+        self._counts["failed"] += 1
+        self._blocked[sig] = f"{type(exc).__name__}: {exc}"
+        graph.reset()
+        if self._owns_pool:
+            # A capture that failed half-way can leave torch routing host allocations to the
+            # pool; later captures start in a fresh one (the graphs already made keep theirs).
+            self._pool = None
+        logger.warning(
+            "bcg: capture failed for signature %s (%s: %s); this signature runs eagerly from "
+            "now on",
+            sig,
+            type(exc).__name__,
+            exc,
+        )
+        return self.module(*call[0], **call[1])
+
+    def _replay(self, entry: Entry, live: list[torch.Tensor], values: list[Any]) -> Any:
+        stream = self._graph_backend.current_stream(self.device)
+        turn = self._turn
+        # Static buffers and pool memory are free once the last use of the pool is done.
+        turn.wait(stream)
+        token = flag_on()
+        try:
+            entry.load(live, values)
+            if self.replay_context is None:
                 entry.graph.replay()
-        if self.return_views:
-            return entry.output
-        return _trees.map_tensors(entry.output, torch.Tensor.clone)
+            else:
+                with self.replay_context():
+                    entry.graph.replay()
+            out = entry.output if self.return_views else entry.clone()
+        finally:
+            flag_reset(token)
+            turn.record(stream)
+        entry.replays += 1
+        return out
 
     def _diagnose_miss(self, sig: Signature) -> None:
-        if sig in self._diagnosed:
+        logged = self._logged_misses
+        if sig in logged or len(logged) > MISS_LOG_LIMIT:
             return
-        self._diagnosed.add(sig)
+        logged.add(sig)
+        if len(logged) > MISS_LOG_LIMIT:
+            logger.warning(
+                "bcg: %s: further misses are not logged; stats.misses counts them",
+                type(self).__name__,
+            )
+            return
         if sig in self._blocked:
             why = f"its capture failed earlier ({self._blocked[sig]})"
         else:
@@ -314,3 +465,21 @@ class BreakableGraphRunner:
             type(self).__name__,
             why,
         )
+
+
+def _check_call(index: int, call: Any) -> Call:
+    if (
+        not isinstance(call, tuple)
+        or len(call) != 2
+        or not isinstance(call[0], tuple)
+        or not isinstance(call[1], dict)
+    ):
+        raise TypeError(
+            f"capture_many takes (args, kwargs) pairs, e.g. [((x,), {{}}), ((y,), {{'t': t}})]; "
+            f"item {index} is {type(call).__name__}"
+        )
+    return call
+
+
+def _call_bytes(call: Call) -> int:
+    return sum(t.numel() * t.element_size() for t in _trees.tensor_leaves(call))

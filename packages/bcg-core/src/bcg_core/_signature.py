@@ -11,14 +11,20 @@ container types, dict keys, field and attribute names, lengths) plus one key per
   Objects (metadata, caches) are passed to the model as themselves, so the graph reads those
   tensors where they were at capture; a tensor rebound to another address gives another
   signature (a miss that names the attribute), never a stale replay;
+- a :class:`ScalarInput` (a Python number the runner copies into a device scalar, see
+  ``_scalars.py``): its type only, never its value;
 - constants (None, bool, int, float, complex, str, bytes, enums, dtypes, devices, sizes) by
   value; every other leaf by identity (the runner keeps such objects alive with their entry, so
   an id cannot be recycled under it).
+
+A call of plain tensors only (the serving hot path) skips the walk: its signature is built
+directly, equal to the one the walk would give.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any
 
 import torch
@@ -26,6 +32,21 @@ import torch
 from bcg_core import _trees
 
 Signature = tuple[Any, ...]
+
+
+class ScalarInput:
+    """Stands for a Python number that the runner copies into a 0-dim device tensor at every
+    call: the signature keeps its type (``bool``, ``int``, ``float``), not its value. (Slots, no
+    ``__dict__``: the tree walker takes it as a leaf.)"""
+
+    __slots__ = ("kind",)
+
+    def __init__(self, kind: type) -> None:
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        return f"ScalarInput({self.kind.__name__})"
+
 
 _CONSTANTS = (
     type(None),
@@ -51,11 +72,25 @@ def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
     return signature_and_tensors(args, kwargs)[0]
 
 
+@functools.lru_cache(maxsize=64)
+def _plain_spec(n: int) -> Any:
+    """The spec of ``n`` positional tensors and no keyword arguments."""
+    return _trees.flatten(_call(tuple(torch.empty(0, device="cpu") for _ in range(n)), {}))[1]
+
+
 def signature_and_tensors(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Signature, list[torch.Tensor]]:
     """The signature and, in one walk (a replay's hot path), the call's tensors that live in
     containers, in the order :func:`static_call` makes their static buffers."""
+    if not kwargs:
+        plain = []
+        for a in args:
+            if type(a) is not torch.Tensor:
+                break
+            plain.append(("tensor", a.shape, a.dtype, a.device))
+        else:
+            return (_plain_spec(len(args)), tuple(plain)), list(args)
     leaves, spec = _trees.flatten(_call(args, kwargs))
     keys: list[Any] = []
     live: list[torch.Tensor] = []
@@ -66,6 +101,8 @@ def signature_and_tensors(
             else:
                 keys.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device))
                 live.append(leaf)
+        elif isinstance(leaf, ScalarInput):
+            keys.append(("scalar", leaf.kind.__name__))
         elif isinstance(leaf, _CONSTANTS):
             keys.append(("const", type(leaf).__name__, leaf))
         else:
@@ -89,7 +126,7 @@ def static_call(
 def identity_objects(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """The leaves a signature refers to by identity (to be kept alive with their entry)."""
     leaves, _ = _trees.flatten(_call(args, kwargs))
-    return [x for x in leaves if not isinstance(x, (torch.Tensor, *_CONSTANTS))]
+    return [x for x in leaves if not isinstance(x, (torch.Tensor, ScalarInput, *_CONSTANTS))]
 
 
 def flatten_signature(sig: Signature) -> dict[str, Any]:
@@ -114,6 +151,8 @@ def _describe(leaf: Any) -> str:
         return f"tensor{list(leaf[1])} {leaf[2]} on {leaf[3]} at address {leaf[4][0]:#x}"
     if kind == "const":
         return repr(leaf[2])
+    if kind == "scalar":
+        return f"a Python {leaf[1]} copied into a device scalar"
     return f"{leaf[1]} object #{leaf[2]:x}"
 
 

@@ -13,6 +13,7 @@ from bcg_core._backends.cuda import CudaBackend
 from bcg_core._backends.seam import (
     CaptureInfo,
     CaptureStatus,
+    DeviceEvent,
     GraphBackend,
     Segment,
     StreamEvents,
@@ -38,6 +39,7 @@ def backend_for(device_type: str = "cuda") -> GraphBackend:
 __all__ = [
     "CaptureInfo",
     "CaptureStatus",
+    "DeviceEvent",
     "GraphBackend",
     "Segment",
     "StreamEvents",

@@ -57,6 +57,19 @@ class CpuStream:
         return f"<bcg_core CPU stream {-self.cuda_stream}>"
 
 
+class CpuEvent:
+    """A CPU stand-in for a CUDA event: CPU work is synchronous, so there is nothing to order."""
+
+    def record(self, stream: Any = None) -> None:
+        """Nothing to mark: CPU work is done when it returns."""
+
+    def wait(self, stream: Any = None) -> None:
+        """Nothing to wait for: CPU work is synchronous."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: CPU work is synchronous."""
+
+
 _DEFAULT_STREAM = CpuStream()
 _CURRENT: ContextVar[CpuStream | None] = ContextVar("bcg_core_cpu_stream", default=None)
 
@@ -202,6 +215,9 @@ class CpuBackend:
     def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
         return _use_stream(_as_cpu_stream(stream))
 
+    def new_event(self) -> CpuEvent:
+        return CpuEvent()
+
     def capture_info(self, stream: Any) -> CaptureInfo:
         segment = _as_cpu_stream(stream).capturing
         if segment is None:
@@ -247,4 +263,4 @@ def _no_hooks() -> None:
     """Nothing was installed."""
 
 
-__all__ = ["CpuBackend", "CpuPool", "CpuSegment", "CpuStream", "current_cpu_stream"]
+__all__ = ["CpuBackend", "CpuEvent", "CpuPool", "CpuSegment", "CpuStream", "current_cpu_stream"]

@@ -120,6 +120,9 @@ class CudaBackend:
     def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
         return torch.cuda.stream(stream)
 
+    def new_event(self) -> torch.cuda.Event:
+        return torch.cuda.Event()  # type: ignore[no-untyped-call]
+
     def capture_info(self, stream: Any) -> CaptureInfo:
         return RUNTIME.capture_info(stream)
 

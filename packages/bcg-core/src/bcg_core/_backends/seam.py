@@ -46,6 +46,22 @@ StreamObserver = Callable[[], "StreamEvents | None"]
 """Returns the tracker of the capture running in the caller's context, or None."""
 
 
+class DeviceEvent(Protocol):
+    """A marker in a stream's work, for ordering streams (``torch.cuda.Event``'s methods)."""
+
+    def record(self, stream: Any = None) -> None:
+        """Mark the work issued to ``stream`` (the current stream when None) so far."""
+        ...
+
+    def wait(self, stream: Any = None) -> None:
+        """Make work issued to ``stream`` from now on wait for the last recorded mark."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until the last recorded mark is reached (at once if never recorded)."""
+        ...
+
+
 class Segment(Protocol):
     """One captured graph segment."""
 
@@ -92,6 +108,10 @@ class GraphBackend(Protocol):
     def current_stream(self, device: Any = None) -> Any: ...
 
     def stream_context(self, stream: Any) -> AbstractContextManager[Any]: ...
+
+    def new_event(self) -> DeviceEvent:
+        """An event for ordering work across streams (no timing)."""
+        ...
 
     def capture_info(self, stream: Any) -> CaptureInfo: ...
 

@@ -65,11 +65,11 @@ def _cell(value: float | int | bool | None, fmt: str = ".1f") -> str:
 def rows(measurements: Sequence[Measurement]) -> list[list[str]]:
     out = []
     for m in measurements:
-        if m.us_per_step is None:
+        if m.skipped is not None:
             timing = f"skipped: {m.skipped}"
             ratios = ["—", "—"]
         else:
-            timing = _stats(m.us_per_step, ".1f")
+            timing = _stats(m.us_per_step, ".1f")  # "—" for untimed figures (memory)
             ratios = [_stats(m.ratio_to_full_graph, ".3f"), _stats(m.ratio_to_eager, ".3f")]
         out.append(
             [
