@@ -15,6 +15,8 @@ from bcg_core._breaks import break_graph, eager_on_graph
 from bcg_core._capture import BreakableCUDAGraphCapture
 from bcg_core._check import check_capture
 from bcg_core._context import get_current_stream, is_breakable_capture_active
+from bcg_core._divergence import check_divergence
+from bcg_core._divergence_report import DivergenceReport, TensorDiff
 from bcg_core._errors import (
     BCG_FAILURE_HINT,
     BreakableGraphError,
@@ -37,13 +39,16 @@ __all__ = [
     "BreakableGraphError",
     "BreakableGraphRunner",
     "CaptureError",
+    "DivergenceReport",
     "EntryStats",
     "ReplayError",
     "RunnerStats",
+    "TensorDiff",
     "UnjoinedStreamError",
     "__version__",
     "break_graph",
     "check_capture",
+    "check_divergence",
     "describe_difference",
     "eager_on_graph",
     "enable_breakable_cuda_graph",

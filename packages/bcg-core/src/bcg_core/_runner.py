@@ -16,6 +16,8 @@ import torch
 from bcg_core import _trees
 from bcg_core._backends import backend_for
 from bcg_core._capture import BreakableCUDAGraphCapture
+from bcg_core._divergence import runner_divergence
+from bcg_core._divergence_report import DivergenceReport
 from bcg_core._flag import enable_breakable_cuda_graph
 from bcg_core._graph import BreakableCUDAGraph
 from bcg_core._signature import (
@@ -181,6 +183,19 @@ class BreakableGraphRunner:
             self._diagnosed.clear()
             self.disabled_reason = None
             self._counts = dict.fromkeys(self._counts, 0)
+
+    def check_divergence(self, *args: Any, **kwargs: Any) -> DivergenceReport:
+        """Compare eager and replay for this call on the graph captured for its signature
+        (bitwise, seed 0; see :func:`bcg_core.check_divergence`): e.g. before serving, with
+        inputs other than the capture's. Raises :class:`ValueError` when no graph is captured
+        for the call's signature."""
+        with self._lock:
+            sig, live = signature_and_tensors(args, kwargs)
+            entry = self._entries.get(sig)
+            if entry is None:
+                why = describe_difference(sig, list(self._entries))
+                raise ValueError(f"no graph is captured for this call's signature: {why}")
+            return runner_divergence(self.module, entry, live, self.replay_context)
 
     @property
     def stats(self) -> RunnerStats:

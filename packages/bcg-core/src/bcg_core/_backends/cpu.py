@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bcg_core._backends.cpu_recorder import Recorder, Step
+from bcg_core._backends.cpu_recorder import LocatingRecorder, Recorder, Step, new_recorder
 from bcg_core._backends.seam import CaptureInfo, CaptureStatus, StreamObserver
 from bcg_core._errors import CaptureError, HostSyncError
 
@@ -98,6 +98,7 @@ class CpuSegment:
         self._recorder: Recorder | None = None
         self._stream: CpuStream | None = None
         self._steps: tuple[Step, ...] = ()
+        self._locations: tuple[str, ...] = ()
         self._empty = False
 
     @property
@@ -118,11 +119,17 @@ class CpuSegment:
         """Operations run per replay (views and allocations excluded)."""
         return len(self._steps)
 
+    @property
+    def source_locations(self) -> tuple[str, ...]:
+        """The distinct user source lines (``file:line``, in first-use order) of this segment's
+        operations; empty unless captured inside ``record_source_locations()``."""
+        return self._locations
+
     def capture_begin(self, pool: Any, capture_error_mode: str) -> None:
         stream = current_cpu_stream()
         if stream.capturing is not None:
             raise CaptureError(f"{stream!r} is already capturing")
-        recorder = Recorder()
+        recorder = new_recorder()
         recorder.start()
         self._recorder, self._stream = recorder, stream
         stream.capturing = self
@@ -144,6 +151,8 @@ class CpuSegment:
                 error.location,
             ) from error
         self._steps = tuple(recorder.steps)
+        if isinstance(recorder, LocatingRecorder):
+            self._locations = tuple(dict.fromkeys(recorder.locations))
         self._empty = not self._steps
 
     def launcher(self) -> Callable[[], None]:
@@ -160,6 +169,7 @@ class CpuSegment:
 
     def reset(self) -> None:
         self._steps = ()
+        self._locations = ()
 
 
 class CpuBackend:

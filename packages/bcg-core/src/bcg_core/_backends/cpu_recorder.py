@@ -454,3 +454,48 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
             dsts = [_snapshot(outs[i]) for i in fresh]
         single = isinstance(out, torch.Tensor)
         self.steps.append(_run_and_copy(func._op, s_args, s_kwargs, single, fresh, dsts))
+
+
+# -- source locations (opt-in: walking the stack per op costs capture time) ----------------------
+
+_LOCATIONS: ContextVar[bool] = ContextVar("bcg_core_cpu_locations", default=False)
+
+
+@contextlib.contextmanager
+def record_source_locations() -> Iterator[None]:
+    """CPU segments captured inside this block record the user's source line of each operation
+    (see :class:`LocatingRecorder`); the divergence check turns it on."""
+    token = _LOCATIONS.set(True)
+    try:
+        yield
+    finally:
+        _LOCATIONS.reset(token)
+
+
+def new_recorder() -> Recorder:
+    """A recorder for one segment: a :class:`LocatingRecorder` inside
+    :func:`record_source_locations`, else a plain :class:`Recorder`."""
+    return LocatingRecorder() if _LOCATIONS.get() else Recorder()
+
+
+class LocatingRecorder(Recorder):  # type: ignore[no-untyped-call]
+    """A :class:`Recorder` that also notes :func:`user_location` of every operation the segment
+    issues (allocations and views too: ``torch.tensor(host_list)`` is one); a subclass, so that
+    capture without locations pays nothing for them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.locations: list[str] = []
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        location = user_location()
+        if location is not None:
+            self.locations.append(location)
+        return out
