@@ -198,8 +198,7 @@ def compare_eager_and_replay(
         status = "diverged"
     if found is None:
         return ok
-    names = [c.name for c in first.calls]
-    segment, before, after = _blame(found, names)
+    segment, before, after = _blame(found, list(graph.break_names))
     where = (
         "the step's output"
         if found.part == "output"
