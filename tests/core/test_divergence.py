@@ -4,6 +4,7 @@ graphs with the same assertions."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
     BreakableGraphRunner,
     DivergenceReport,
     check_divergence,
     eager_on_graph,
+    enable_breakable_cuda_graph,
     is_breakable_capture_active,
 )
 from bcg_core._streams import hooks_installed  # noqa: PLC2701
@@ -123,7 +127,7 @@ def test_host_list_made_a_tensor_inside_the_segment_cpu() -> None:
     report = check_divergence(model, sets)
     _diverged(report, 2, "mix", "mix")
     assert report.input_set == 2 and report.cause == "baked_in_segment"
-    assert report.observed_at == "the inputs of break 'mix' (call 2)"
+    assert report.observed_at == "the arguments of break 'mix' (call 2)"
     assert _line_of("list-to-tensor") in report.source_lines
 
     def fixed(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -268,6 +272,37 @@ def test_unseeded_randomness_is_reported_as_nondeterministic(device: str) -> Non
     assert check_divergence(model, _sets(), atol=1e-4).ok
 
 
+@pytest.mark.cuda
+def test_cuda_replay_after_manual_seed_redraws_eager_dropout() -> None:
+    # The check's RNG rule on CUDA: a graph reads the generator's seed and offset at replay
+    # (torch's graph-safe philox), segment by segment, so manual_seed(s) before a replay gives
+    # the numbers eager draws after manual_seed(s), breaks that draw in between included.
+    x = torch.ones(128, 128, device="cuda")
+
+    @eager_on_graph(name="noise")
+    def noise(h: torch.Tensor) -> torch.Tensor:
+        return h + torch.rand_like(h)
+
+    def step() -> torch.Tensor:
+        h = F.dropout(noise(F.dropout(x, 0.5, training=True)), 0.5, training=True)
+        return h * torch.rand_like(h)
+
+    graph = BreakableCUDAGraph()
+    with enable_breakable_cuda_graph():
+        step()
+        torch.cuda.synchronize()
+        with BreakableCUDAGraphCapture(graph):
+            static = step()
+        torch.manual_seed(5)
+        eager = step()
+    for _ in range(2):
+        torch.manual_seed(5)
+        graph.replay()
+        assert torch.equal(static, eager)
+    graph.replay()  # without reseeding: fresh numbers
+    assert not torch.equal(static, eager)
+
+
 # -- the runner ----------------------------------------------------------------------------------
 
 
@@ -315,6 +350,35 @@ def test_bad_inputs_raise_before_anything_runs() -> None:
     with pytest.raises(ValueError, match="atol and rtol"):
         check_divergence(model, [torch.zeros(2)] * 2, atol=-1)
     assert not is_breakable_capture_active() and not hooks_installed()
+
+
+# -- the demo: the toy decoder with varlen attention from host lengths --------------------------
+
+DEMO = Path(__file__).resolve().parents[2] / "benchmarks" / "divergence_demo.py"
+
+
+def _demo_main() -> Any:
+    spec = importlib.util.spec_from_file_location("divergence_demo", DEMO)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_demo_on_the_cpu_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    # The attention break updates each layer's KV cache: state that the runs leave identical.
+    assert _demo_main()(["--backend", "cpu", "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "diverging graph segment 1: from the start of the step, before break " in out
+    assert "args[6] shape (2, 256)" in out and "divergence_demo.py:" in out
+    assert out.count("ok, replay equals eager") == 1
+
+
+@pytest.mark.cuda
+def test_demo_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _demo_main()(["--backend", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "diverging graph segment 1" in out and "args[6] shape (2, 256)" in out
 
 
 # -- the CLI -------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ and compares, break call by break call, to name the first segment whose results 
 How the two runs are observed: the eager run goes through the break decorator, which hands each
 enabled break call to the observer set by ``_breaks.observe_breaks`` (one global read per break
 call when no check runs); the replay is an instrumented walk over the graph's steps (the
-ordinary ``replay()`` is untouched). Both record, per break call, its arguments before it runs
+ordinary ``replay()`` is untouched). Both record, per break call, its arguments after it ran
 and the output that the code after it sees, plus the step's output; tensors are cloned.
 """
 
@@ -50,7 +50,7 @@ class _Values:
 @dataclass(frozen=True)
 class _BreakCall:
     name: str
-    inputs: _Values
+    arguments: _Values  # after the call: see _eager
     outputs: _Values
 
 
@@ -63,7 +63,7 @@ class _Run:
 @dataclass(frozen=True)
 class _Finding:
     call: int  # index of the break call where it was seen; len(calls) for the step's output
-    part: str  # "inputs", "outputs", "sequence" or "output"
+    part: str  # "arguments", "outputs", "sequence" or "output"
     name: str | None
     diffs: tuple[TensorDiff, ...]
     cause: Cause
@@ -93,7 +93,8 @@ def check_divergence(
     it saw at capture — which is the class of bug this check finds.
 
     Compared, in order, with ``atol``/``rtol`` (bitwise when both are 0, NaNs equal): the
-    arguments of every enabled break call before it runs, the output the code after it sees
+    arguments of every enabled break call once it ran (state it updates, such as a KV cache,
+    is compared as the call leaves it), the output the code after it sees
     (non-tensor outputs are frozen at capture), and ``fn``'s output. The first difference
     blames the segment that produced it (see :class:`DivergenceReport`); a difference that a
     segment writes only into state read by a later segment is blamed where it first reaches a
@@ -244,15 +245,19 @@ def _capture(
 
 
 def _eager(fn: Callable[..., Any], call: Call, seed: int) -> _Run:
+    """Run ``fn`` eagerly, recording each break call's arguments *after* it ran and its output.
+
+    After, not before: a break's arguments often include state that it updates (a KV cache),
+    which before the call still holds what the previous run wrote; a repeatable step leaves the
+    same state behind in every run, whatever it started from."""
     calls: list[_BreakCall] = []
 
     def observe(
         name: str, f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        inputs = _freeze((args, kwargs))
         with observe_breaks(None):  # breaks nested in a break are part of it, as at replay
             out = f(*args, **kwargs)
-        calls.append(_BreakCall(name, inputs, _freeze(out)))
+        calls.append(_BreakCall(name, _freeze((args, kwargs)), _freeze(out)))
         return out
 
     torch.manual_seed(seed)
@@ -275,9 +280,9 @@ def _replay(
             if isinstance(step, SegmentStep):
                 step.segment.launcher()()
                 continue
-            inputs = _freeze((step.args, step.kwargs))
             step.run()
-            calls.append(_BreakCall(step.name, inputs, _freeze(step.bridge.output)))
+            arguments = _freeze((step.args, step.kwargs))
+            calls.append(_BreakCall(step.name, arguments, _freeze(step.bridge.output)))
     return _Run(calls, _freeze(output))
 
 
@@ -296,11 +301,11 @@ def _first_difference(a: _Run, b: _Run, atol: float, rtol: float) -> _Finding | 
                 f"break call {j + 1}", None, None, f"eager called {x.name!r}, replay {y.name!r}"
             )
             return _Finding(j, "sequence", x.name, (diff,), "break_sequence")
-        diffs = _compare(x.inputs, y.inputs, atol, rtol, call_paths=True)
+        diffs = _compare(x.arguments, y.arguments, atol, rtol, call_paths=True)
         if diffs:
             frozen = any(d.shape is None for d in diffs)
             cause: Cause = "frozen_break_argument" if frozen else "baked_in_segment"
-            return _Finding(j, "inputs", x.name, diffs, cause)
+            return _Finding(j, "arguments", x.name, diffs, cause)
         diffs = _compare(x.outputs, y.outputs, atol, rtol)
         if diffs:
             frozen = any(d.shape is None for d in diffs)
@@ -329,7 +334,7 @@ def _blame(found: _Finding, names: list[str]) -> tuple[int | None, str | None, s
 
     if found.cause == "break_itself":
         return None, None, found.name
-    # Inputs of call j (or the output, j == len(names)) come from the segment before it; a
+    # Arguments of call j (or the output, j == len(names)) come from the segment before it; a
     # frozen output of call j is used by the segment after it.
     j = found.call + 1 if found.part == "outputs" else found.call
     return j + 1, name(j - 1), name(j)
