@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that does several jobs (the GPU lease is short). Install the carried wheels
 # (from tools/build_device_wheels.sh), then run the named phases in order:
-#   tests    the CUDA suite from source (tools/device_tests.sh -m cuda)
+#   tests    the CUDA suite from source (tools/device_tests.sh -m cuda; carried diffusers from
+#            /tmp/bcg-site, after the sources)
 #   bench    the full `bcg bench` (every installed workload), JSON + PNG
 #   demo     `bcg demo`
 #   scripts  benchmarks/bench_core.py and benchmarks/bench_dit.py
@@ -9,6 +10,7 @@
 # need installed metadata. Logs and results are written to a scratch folder and packed into
 # $OUT/results.tgz on exit (the device tool brings back at most 8 files).
 # Usage on the GPU machine: tools/device_run.sh tests bench demo [-- extra bench args]
+# (BCG_BENCH_TIMEOUT=SECONDS for a longer bench, e.g. `hf-llama flux --repeats 15` alone)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dest="${OUT:-device-out}"; out=/tmp/bcg-results; rm -rf "$out"; mkdir -p "$dest" "$out"
@@ -26,7 +28,7 @@ for phase in "${phases[@]}"; do
       timeout 240 tools/device_tests.sh -m cuda -q -rfE > "$out/cuda_tests.log" 2>&1
       tail -4 "$out/cuda_tests.log" ;;
     bench)
-      PYTHONPATH=/tmp/bcg-site timeout 360 python3 -m bcg_core bench "$@" \
+      PYTHONPATH=/tmp/bcg-site timeout "${BCG_BENCH_TIMEOUT:-360}" python3 -m bcg_core bench "$@" \
         --json "$out/bench.json" --plot "$out/bench.png" > "$out/bench.log" 2>&1
       echo "bench rc=$?"; grep -E "WRONG|Error|error" "$out/bench.log" | head -5 ;;
     demo)

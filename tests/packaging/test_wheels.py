@@ -131,7 +131,10 @@ def test_wheel_metadata(wheels: Path) -> None:
     diffusion = _metadata(wheels / f"bcg_diffusion-{VERSION}-py3-none-any.whl")
     drequires = [v for k, v in diffusion if k == "Requires-Dist"]
     assert f"bcg-core=={VERSION}" in drequires
-    assert sorted(r.split(">")[0].split("=")[0] for r in drequires) == ["bcg-core", "torch"]
+    runtime = [r for r in drequires if "extra ==" not in r]
+    assert sorted(r.split(">")[0].split("=")[0] for r in runtime) == ["bcg-core", "torch"]
+    assert "diffusers>=0.42; extra == 'diffusers'" in drequires
+    assert "transformers>=5; extra == 'transformers'" in requires
 
 
 def test_wheels_ship_py_typed(wheels: Path) -> None:

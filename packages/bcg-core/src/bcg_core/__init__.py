@@ -15,6 +15,7 @@ from bcg_core._breaks import break_graph, eager_on_graph
 from bcg_core._capture import BreakableCUDAGraphCapture
 from bcg_core._check import check_capture
 from bcg_core._context import get_current_stream, is_breakable_capture_active
+from bcg_core._debug import keep_alive_ok
 from bcg_core._divergence import check_divergence
 from bcg_core._divergence_report import DivergenceReport, TensorDiff
 from bcg_core._errors import (
@@ -29,6 +30,7 @@ from bcg_core._flag import enable_breakable_cuda_graph, is_in_breakable_cuda_gra
 from bcg_core._graph import BreakableCUDAGraph
 from bcg_core._runner import BreakableGraphRunner, EntryStats, RunnerStats
 from bcg_core._signature import describe_difference, signature_of
+from bcg_core._transformers import breakable_attention
 from bcg_core._version import __version__
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "UnjoinedStreamError",
     "__version__",
     "break_graph",
+    "breakable_attention",
     "check_capture",
     "check_divergence",
     "describe_difference",
@@ -55,5 +58,6 @@ __all__ = [
     "get_current_stream",
     "is_breakable_capture_active",
     "is_in_breakable_cuda_graph",
+    "keep_alive_ok",
     "signature_of",
 ]

@@ -15,6 +15,33 @@ from bcg_core._context import active_capture
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+_is_compiling = torch.compiler.is_compiling
+
+
+def _call_break(
+    f: Callable[..., Any],
+    stub: Callable[..., Any] | None,
+    strict: bool,
+    name: str,
+    enable: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Run break ``f``: recorded as a break when a capture is active, else a plain call."""
+    state = active_capture()
+    if state is None or state.in_break or not enable:
+        return f(*args, **kwargs)
+    return state.record_break(f, stub, strict, name, args, kwargs)
+
+
+# What a compiled function calls: dynamo graph-breaks at a dynamo-disabled function and runs it
+# eagerly at run time, so a capture around the compiled call records the break. (torch's lazy
+# form of torch.compiler.disable: importing dynamo up front would cost every process ~1 s.)
+_compiled_call_break = torch._disable_dynamo(  # type: ignore[attr-defined]
+    _call_break, recursive=True
+)
+
+
 # -- the break observer of the divergence check (_divergence.py) -------------------------------
 BreakObserver = Callable[[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
 _OBSERVER: ContextVar[BreakObserver | None] = ContextVar("bcg_break_observer", default=None)
@@ -75,8 +102,10 @@ def eager_on_graph(
     same structure, shapes and dtypes; non-tensor values are frozen at capture. With
     ``strict=True`` returning a CUDA tensor fails at capture: write into an argument buffer.
 
-    Outside a capture, inside another break, under ``torch.compile`` tracing, or with
-    ``enable=False`` the function is simply called. Usable bare (``@eager_on_graph``) or
+    Outside a capture, inside another break, or with ``enable=False`` the function is simply
+    called. Inside a ``torch.compile``d function a break stays a break: dynamo graph-breaks at
+    it and calls it eagerly at run time (the function and everything it calls run uncompiled),
+    so a capture around the compiled call records it. Usable bare (``@eager_on_graph``) or
     configured (``@eager_on_graph(strict=True)``); the wrapper keeps name and docstring.
     """
     if capture_stub is not None and not callable(capture_stub):
@@ -89,14 +118,18 @@ def eager_on_graph(
 
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if _is_compiling():
+                return _compiled_call_break(
+                    f, capture_stub, strict, break_name, enable, args, kwargs
+                )
             state = active_capture()
             if state is None:
-                if _observing and enable and not torch.compiler.is_compiling():
+                if _observing and enable:
                     observe = _OBSERVER.get()
                     if observe is not None:
                         return observe(break_name, f, args, kwargs)
                 return f(*args, **kwargs)
-            if state.in_break or not enable or torch.compiler.is_compiling():
+            if state.in_break or not enable:
                 return f(*args, **kwargs)
             return state.record_break(f, capture_stub, strict, break_name, args, kwargs)
 
@@ -105,8 +138,21 @@ def eager_on_graph(
     return decorate if fn is None else decorate(fn)
 
 
-def break_graph() -> None:
-    """Split the current graph segment here, with no eager work; a no-op outside a capture."""
+def _split() -> None:
     state = active_capture()
-    if state is not None and not torch.compiler.is_compiling():
+    if state is not None:
         state.split()
+
+
+_compiled_split = torch._disable_dynamo(  # type: ignore[attr-defined]
+    _split, recursive=True
+)
+
+
+def break_graph() -> None:
+    """Split the current graph segment here, with no eager work; a no-op outside a capture.
+    Inside a ``torch.compile``d function dynamo graph-breaks here, and the split happens."""
+    if _is_compiling():
+        _compiled_split()
+    else:
+        _split()

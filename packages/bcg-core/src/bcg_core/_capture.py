@@ -5,17 +5,19 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from types import TracebackType
 from typing import Any
 
+import torch
+
 from bcg_core._aliases import alias_tree
 from bcg_core._backends import CaptureStatus, GraphBackend, Segment
 from bcg_core._bridges import Bridge, contains_device_tensor
 from bcg_core._context import active_capture, enter_capture, exit_capture
+from bcg_core._debug import DebugLevel, FreshTensorTracker, debug_level, report_leaks
 from bcg_core._errors import BreakOutputError, CaptureError, UnjoinedStreamError
 from bcg_core._graph import BreakableCUDAGraph, BreakStep, SegmentStep, Step
 from bcg_core._streams import StreamTracker, stream_hooks
@@ -23,10 +25,6 @@ from bcg_core._streams import StreamTracker, stream_hooks
 logger = logging.getLogger("bcg_core")
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
-
-
-def _debug() -> bool:
-    return os.environ.get("BCG_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 class CaptureState:
@@ -40,6 +38,8 @@ class CaptureState:
         mode: str,
         barrier_fn: Callable[[], object] | None,
         auto_join: bool,
+        faithful: bool = True,
+        debug: DebugLevel = DebugLevel.OFF,
     ) -> None:
         self.backend = backend
         self.stream = stream
@@ -47,6 +47,9 @@ class CaptureState:
         self.mode = mode
         self.barrier_fn = barrier_fn
         self.auto_join = auto_join
+        # A backend that runs ops while recording them has already executed the segment.
+        self.launch_after_capture = faithful and not backend.executes_at_capture
+        self.debug = debug
         self.tracker = StreamTracker(stream)
         self.steps: list[Step] = []
         # Empty segments are not replayed but stay alive until the graph is reset: each holds a
@@ -63,7 +66,7 @@ class CaptureState:
         self._segments_begun += 1
         after = f" (after break {self._last_break!r})" if self._last_break else ""
         self.where = f"in graph segment {self._segments_begun}{after}"
-        if _debug():
+        if self.debug is not DebugLevel.OFF:
             logger.warning("bcg: capturing %s", self.where)
         self.tracker.begin_segment()
         segment = self.backend.new_segment()
@@ -110,8 +113,12 @@ class CaptureState:
         self.segment = None
         if segment.empty:
             self.dropped.append(segment)
-        else:
-            self.steps.append(SegmentStep(segment))
+            return
+        self.steps.append(SegmentStep(segment))
+        if self.launch_after_capture:
+            # Faithful capture: run what was just recorded, on the capturing stream, so the next
+            # break (and the code after the block) sees the values one eager step computes.
+            segment.launcher()()
 
     def abort(self) -> None:
         """End a segment left open by an exception, so the stream stops capturing."""
@@ -152,14 +159,21 @@ class CaptureState:
         self.end_segment()
         self._last_break = name
         self.where = f"in break {name!r}"
-        if _debug():
+        if self.debug is not DebugLevel.OFF:
             logger.warning("bcg: running break %r at capture", name)
         if self.barrier_fn is not None:
             self.barrier_fn()
         self.in_break = True
         self.tracker.begin_break()
+        fresh = None
+        if self.debug is not DebugLevel.OFF:
+            fresh = FreshTensorTracker(self.backend.device_type)
         try:
-            output = (stub if stub is not None else fn)(*args, **kwargs)
+            if fresh is None:
+                output = (stub if stub is not None else fn)(*args, **kwargs)
+            else:
+                with fresh:
+                    output = (stub if stub is not None else fn)(*args, **kwargs)
         finally:
             side_streams = self.tracker.end_break()
             self.in_break = False
@@ -172,13 +186,19 @@ class CaptureState:
                 "result into a buffer passed as an argument and return None, or drop strict=True "
                 "to have the output copied into a bridge buffer at every replay."
             )
+        if fresh is not None:
+            report_leaks(
+                name, fresh, output, (args, kwargs), strict=self.debug is DebugLevel.STRICT
+            )
+        bridge = Bridge(name, output)
+        self.backend.note_graph_memory(self.pool, bridge.tensors)
         self.steps.append(
             BreakStep(
                 name=name,
                 fn=fn,
                 args=alias_tree(args),
                 kwargs=alias_tree(kwargs),
-                bridge=Bridge(name, output),
+                bridge=bridge,
                 side_streams=side_streams,
                 backend=self.backend,
             )
@@ -212,6 +232,28 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
     forked from the capturing stream and not joined is joined before its segment ends; without
     it the capture fails with :class:`UnjoinedStreamError` naming the stream.
 
+    ``faithful`` (default True): each segment is launched once on the capturing stream right
+    after its capture ends, before the next break runs. Breaks then see the values an eager step
+    computes (a size, an index or an ``.item()`` taken from a segment's output is real, no
+    ``capture_stub`` needed), and when the block exits every output (and every in-place update,
+    such as a KV cache write) equals one eager step; the caller's stream waits for the capturing
+    stream at exit, so the outputs can be read right away. The cost is one replay per capture.
+    ``faithful=False`` only records, as ``torch.cuda.graph`` does: segment outputs hold garbage
+    until the first replay. The CPU backend executes every op while recording it, so its captures
+    are faithful either way (``faithful=False`` changes nothing there).
+
+    ``debug`` (None: the ``BCG_DEBUG`` environment variable; False, True or "strict"): log each
+    segment and break as capture reaches it, and check each break for device tensors it created
+    that are still alive afterwards but neither returned nor stored into its arguments' storage
+    (a cache a later segment would read at its capture-time address). Each one is reported with
+    the break's name and its size, as a warning, or as :class:`CaptureError` with "strict".
+    Mark an intended one with :func:`keep_alive_ok`.
+
+    Capture does not run ``gc.collect()`` unless torch's own switch for ``torch.cuda.graph``
+    asks for it (``torch.compiler.config.force_cudagraph_gc``, env ``TORCH_CUDAGRAPH_GC=1``):
+    with a serving-sized heap one collection costs more than the whole capture. Nor does it
+    synchronise the device: the capturing stream waits for the caller's current stream instead.
+
     Failure modes: bad arguments raise ``TypeError``/``ValueError`` before anything starts; a
     nested capture, a graph that already holds a capture (call ``reset()``), a stream that is
     already capturing, or a machine without CUDA raise :class:`CaptureError`. An exception from
@@ -228,6 +270,9 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
         capture_error_mode: str = "global",
         barrier_fn: Callable[[], object] | None = None,
         auto_join: bool = True,
+        *,
+        faithful: bool = True,
+        debug: bool | str | None = None,
     ) -> None:
         if not isinstance(cuda_graph, BreakableCUDAGraph):
             raise TypeError(
@@ -243,6 +288,8 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
             raise TypeError(f"barrier_fn must be callable or None, got {barrier_fn!r}")
         if not isinstance(auto_join, bool):
             raise TypeError(f"auto_join must be a bool, got {auto_join!r}")
+        if not isinstance(faithful, bool):
+            raise TypeError(f"faithful must be a bool, got {faithful!r}")
         if stream is not None and not hasattr(stream, "cuda_stream"):
             raise TypeError(f"stream must be a torch.cuda.Stream or None, got {stream!r}")
         self.cuda_graph = cuda_graph
@@ -251,6 +298,8 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
         self._mode = capture_error_mode
         self._barrier_fn = barrier_fn
         self._auto_join = auto_join
+        self._faithful = faithful
+        self._debug = debug_level(debug)
         self._state: CaptureState | None = None
         self._exit_stack: ExitStack | None = None
 
@@ -274,14 +323,24 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
         self.cuda_graph._begin_capture()
         stack = ExitStack()
         try:
-            # As torch.cuda.graph: start from idle streams and a collected heap. Outside "global"
-            # mode another thread may be capturing, and a device-wide sync would wait on its
-            # capturing stream (not permitted), so only the streams this capture orders with.
-            whole_device = self._mode == "global"
-            backend.synchronize(None if whole_device else (backend.current_stream(), stream))
-            gc.collect()
+            if torch.compiler.config.force_cudagraph_gc:
+                gc.collect()  # torch.cuda.graph's opt-in switch (TORCH_CUDAGRAPH_GC=1)
+            # No device-wide sync: ordering the capturing stream after the caller's is enough
+            # for faithful launches (and breaks) to read inputs the caller's stream produced.
+            caller = backend.current_stream()
+            stream.wait_stream(caller)
+            # Work left on the capturing stream by the block is ordered before the caller's
+            # next work, so outputs of a faithful capture can be read on the caller's stream.
+            stack.callback(caller.wait_stream, stream)
             state = CaptureState(
-                backend, stream, pool, self._mode, self._barrier_fn, self._auto_join
+                backend,
+                stream,
+                pool,
+                self._mode,
+                self._barrier_fn,
+                self._auto_join,
+                faithful=self._faithful,
+                debug=self._debug,
             )
             stack.enter_context(backend.stream_context(stream))
             stack.enter_context(stream_hooks(backend))

@@ -141,6 +141,8 @@ def check_divergence(
 
     static_args, static_kwargs = static_call(*first, make_static)
     graph = BreakableCUDAGraph(backend=name)
+    # Static buffers are memory the graph re-reads at every replay, as the runner's are.
+    backend_for(name).note_graph_memory(graph.pool(), statics)
     with _restored_rng():
         try:
             output = _capture(graph, fn, static_args, static_kwargs)

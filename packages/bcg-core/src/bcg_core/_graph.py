@@ -13,6 +13,7 @@ from bcg_core._backends import GraphBackend, Segment, backend_for
 from bcg_core._bridges import Bridge
 from bcg_core._context import active_capture
 from bcg_core._errors import CaptureError, ReplayError
+from bcg_core._profile import named, profile_enabled
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,19 @@ class BreakStep:
 
 Step = SegmentStep | BreakStep
 
+
+def _step_names(steps: Sequence[Step]) -> list[str]:
+    """``bcg.segment[i]`` (i counting segments) or ``bcg.break:<name>`` for each step."""
+    names, segments = [], 0
+    for step in steps:
+        if isinstance(step, SegmentStep):
+            names.append(f"bcg.segment[{segments}]")
+            segments += 1
+        else:
+            names.append(f"bcg.break:{step.name}")
+    return names
+
+
 GRAPH_BACKENDS = ("cuda", "cpu")
 
 
@@ -89,17 +103,27 @@ class BreakableCUDAGraph:
     segment raise), for running and checking breakable graphs without a GPU. Any other value
     raises :class:`ValueError`.
 
+    Profiling: with ``profile=True`` (None, the default: the ``BCG_PROFILE`` environment variable
+    at capture) each replay step runs inside ``torch.profiler.record_function`` and, on CUDA, an
+    NVTX range, named ``bcg.segment[i]`` or ``bcg.break:<name>``. Off, replay runs the bare
+    launchers (the ranges are built into the replay plan only when on).
+
     Failure modes: :meth:`replay` raises :class:`ReplayError` before a successful capture, after a
     failed one, and while a capture is active in the calling context. A failed capture leaves the
     graph in the failed state; :meth:`reset` clears it for a new capture.
     """
 
-    def __init__(self, pool: Any = None, *, backend: str = "cuda") -> None:
+    def __init__(
+        self, pool: Any = None, *, backend: str = "cuda", profile: bool | None = None
+    ) -> None:
         if backend not in GRAPH_BACKENDS:
             raise ValueError(
                 f"backend must be 'cuda' or 'cpu' (the device whose graphs are captured), got "
                 f"{backend!r}"
             )
+        if profile is not None and not isinstance(profile, bool):
+            raise TypeError(f"profile must be a bool or None, got {profile!r}")
+        self._profile = profile
         # Segments are assigned before the pool so that, when the graph is collected, they
         # release the pool before the pool object itself goes.
         self._steps: tuple[Step, ...] = ()
@@ -206,6 +230,9 @@ class BreakableCUDAGraph:
 
     def _finish_capture(self, steps: Sequence[Step], dropped: Sequence[Segment]) -> None:
         plan = [s.segment.launcher() if isinstance(s, SegmentStep) else s.launcher() for s in steps]
+        if profile_enabled(self._profile):
+            names = _step_names(steps)
+            plan = [named(run, n, self._backend) for run, n in zip(plan, names, strict=True)]
         with self._lock:
             self._steps = tuple(steps)
             self._dropped = tuple(dropped)

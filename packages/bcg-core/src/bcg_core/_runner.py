@@ -246,6 +246,8 @@ class BreakableGraphRunner:
         static_args, static_kwargs = static_call(args, kwargs, make_static)
         backend = self._graph_backend
         graph = BreakableCUDAGraph(backend=backend.name)
+        # Static buffers are device memory the graph re-reads at every replay.
+        backend.note_graph_memory(graph.pool(), statics)
         try:
             if self._side is None:
                 # One stream for every warm-up and capture: each new stream costs a cuBLAS

@@ -73,6 +73,9 @@ TreeSpec = Any
 
 _DATACLASS, _OBJECT, _PYTREE = "dataclass", "object", "pytree"
 
+# Hot paths (runner signatures, the CPU recorder) meet these most: decided without lookups.
+_SCALARS = frozenset({int, float, bool, str, type(None), complex, bytes, torch.dtype, torch.device})
+
 
 def _kind(obj: Any) -> str | None:
     """How ``obj`` is walked, or None for a leaf."""
@@ -133,6 +136,18 @@ def _flatten(obj: Any, leaves: list[Any], active: set[int]) -> TreeSpec:
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
         return TENSOR
+    cls = type(obj)
+    if cls in _SCALARS:
+        leaves.append(obj)
+        return VALUE
+    if cls is tuple or cls is list:  # what pytree gives them: the items, context None
+        if id(obj) in active:
+            leaves.append(obj)
+            return VALUE
+        active.add(id(obj))
+        specs = tuple(_flatten(c, leaves, active) for c in obj)
+        active.discard(id(obj))
+        return (cls, None, specs)
     kind = _kind(obj)
     if kind is None or id(obj) in active:
         leaves.append(obj)
@@ -162,6 +177,8 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], *, into_objects: bo
 def _map(obj: Any, fn: Callable[[torch.Tensor], Any], into_objects: bool, active: set[int]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if type(obj) in _SCALARS:
+        return obj
     kind = _kind(obj)
     if kind is None or id(obj) in active or (kind != _PYTREE and not into_objects):
         return obj

@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Any
 
 from bcg_core import eager_on_graph, is_in_breakable_cuda_graph
+from bcg_diffusion._patching import PatchHandle, combine, patch_attribute, patch_count
 
 _ORIGINAL = "__bcg_original_forward__"
 
@@ -63,42 +64,63 @@ class AttentionPatch:
         self.remove()
 
 
+def attention_method(cls: type) -> str:
+    """The method a class runs attention in: ``forward`` (modules) or ``__call__`` (diffusers
+    attention processors). Raises ``TypeError`` for anything else."""
+    if isinstance(cls, type):
+        if callable(getattr(cls, "forward", None)):
+            return "forward"
+        if any("__call__" in vars(k) for k in cls.__mro__ if k is not object):
+            return "__call__"
+    raise TypeError(
+        f"install_breakable_attention takes classes with a forward or __call__ method, got {cls!r}"
+    )
+
+
+def patch_attention_classes(*classes: type) -> PatchHandle:
+    """Make each class's attention method (see :func:`attention_method`) a break point; one
+    reference per class on the shared patch, released by the returned handle."""
+    methods = [attention_method(cls) for cls in classes]  # validate all before patching any
+    handles: list[PatchHandle] = []
+    try:
+        for cls, method in zip(classes, methods, strict=True):
+            handles.append(patch_attribute(cls, method, make_breakable_attention_forward))
+    except BaseException:
+        for h in handles:
+            h.remove()
+        raise
+    return combine(handles)
+
+
 _lock = threading.Lock()
-# class -> the forward it defined itself before patching (None: it inherited forward).
-_patched: dict[type, Callable[..., Any] | None] = {}
+# The references taken by install_breakable_attention: at most one per class (installing twice
+# changes nothing), dropped by uninstall. Runners hold their own references.
+_installed: dict[type, PatchHandle] = {}
 
 
 def install_breakable_attention(*classes: type) -> AttentionPatch:
-    """Adapt ``forward`` of each attention class in place. Installing twice changes nothing."""
+    """Adapt the attention method (``forward``, or ``__call__`` for processor classes) of each
+    class in place. Installing twice changes nothing; :func:`uninstall_breakable_attention` (or
+    the handle) undoes it. The patch is reference-counted with the ones a :class:`DiTRunner`
+    takes, so uninstalling never removes a patch that a live runner relies on."""
     for cls in classes:
-        if not isinstance(cls, type) or not callable(getattr(cls, "forward", None)):
-            raise TypeError(
-                f"install_breakable_attention takes classes with a forward, got {cls!r}"
-            )
+        attention_method(cls)
     with _lock:
         for cls in classes:
-            if cls in _patched:
-                continue
-            own = cls.__dict__.get("forward")
-            _patched[cls] = own
-            cls.forward = make_breakable_attention_forward(cls.forward)  # type: ignore[attr-defined]
+            if cls not in _installed:
+                _installed[cls] = patch_attention_classes(cls)
     return AttentionPatch(classes)
 
 
 def uninstall_breakable_attention(*classes: type) -> None:
-    """Restore the original ``forward`` of each class patched by this module."""
+    """Drop the patch :func:`install_breakable_attention` made on each class (patches held by
+    runners stay until they close)."""
     with _lock:
-        for cls in classes:
-            if cls not in _patched:
-                continue
-            own = _patched.pop(cls)
-            if own is None:
-                delattr(cls, "forward")
-            else:
-                cls.forward = own  # type: ignore[attr-defined]
+        handles = [_installed.pop(cls) for cls in classes if cls in _installed]
+    for h in handles:
+        h.remove()
 
 
 def is_breakable_attention_installed(cls: type) -> bool:
-    """Whether ``cls.forward`` is currently adapted by this module."""
-    with _lock:
-        return cls in _patched
+    """Whether the attention method of ``cls`` is currently adapted (by anyone in bcg)."""
+    return patch_count(cls, attention_method(cls)) > 0

@@ -6,19 +6,28 @@ from collections.abc import Callable
 from typing import Any
 
 from bcg_core import BreakableGraphRunner
-from bcg_diffusion._attention import AttentionPatch, install_breakable_attention
+from bcg_diffusion._attention import patch_attention_classes
+from bcg_diffusion._patching import PatchHandle
 from bcg_diffusion._tokens import replay_token_scope
 
 
 class DiTRunner(BreakableGraphRunner):
     """Replays a DiT one captured graph per signature, with attention modules as break points.
 
-    On top of :class:`bcg_core.BreakableGraphRunner` (whose rules all apply): the given attention
-    classes are adapted with :func:`install_breakable_attention` (undone by :meth:`close`), and
-    every replay runs inside :func:`replay_token_scope`, so eager attention code can cache
-    per-replay metadata once and reuse it in every layer. Typical use::
+    On top of :class:`bcg_core.BreakableGraphRunner` (whose rules all apply): the runner holds
+    its own reference on the attention patches it is given, released by :meth:`close` (another
+    runner patching the same classes keeps its breaks), and every replay runs inside
+    :func:`replay_token_scope`, so eager attention code can cache per-replay metadata once and
+    reuse it in every layer. Two ways to say what breaks:
 
-        runner = DiTRunner(model, attention_classes=(MyAttention,))
+    - ``breakable_attention=make_attention_ops_breakable(model)``: every attention op of a
+      diffusers transformer (projections stay captured); the runner owns the handle;
+    - ``attention_classes=(MyAttention,)``: each class's ``forward`` (or a processor class's
+      ``__call__``) is one break.
+
+    Typical use::
+
+        runner = DiTRunner(model, breakable_attention=make_attention_ops_breakable(model))
         for latents, t, text in warmup_shapes:
             runner.capture(latents, t, text)      # one graph per resolution / prompt bucket
         for step in range(50):
@@ -30,15 +39,24 @@ class DiTRunner(BreakableGraphRunner):
         model: Callable[..., Any],
         *,
         attention_classes: tuple[type, ...] = (),
+        breakable_attention: PatchHandle | None = None,
         **runner_options: Any,
     ) -> None:
+        if breakable_attention is not None and not isinstance(breakable_attention, PatchHandle):
+            raise TypeError(
+                "breakable_attention takes the handle make_attention_ops_breakable(model) "
+                f"returns, got {breakable_attention!r}"
+            )
         runner_options.setdefault("replay_context", replay_token_scope)
         super().__init__(model, **runner_options)
-        self._patch: AttentionPatch | None = install_breakable_attention(*attention_classes)
+        patches = [patch_attention_classes(*attention_classes)]
+        if breakable_attention is not None:
+            patches.append(breakable_attention)
+        self._patches: list[PatchHandle] = patches
 
     def close(self) -> None:
-        """Drop all graphs and undo the attention patch."""
+        """Drop all graphs and release this runner's attention patches (idempotent)."""
         self.reset()
-        if self._patch is not None:
-            self._patch.remove()
-            self._patch = None
+        patches, self._patches = self._patches, []
+        for patch in patches:
+            patch.remove()

@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-from bcg_core._backends.cpu_recorder import LocatingRecorder, Recorder, Step, new_recorder
+from bcg_core._backends.cpu_recorder import (
+    HostScalar,
+    LocatingRecorder,
+    Recorder,
+    Step,
+    new_recorder,
+)
 from bcg_core._backends.seam import CaptureInfo, CaptureStatus, StreamObserver
 from bcg_core._errors import CaptureError, HostSyncError
 
@@ -85,7 +91,12 @@ def _as_cpu_stream(stream: Any) -> CpuStream:
 
 
 class CpuPool:
-    """A CPU graph pool: a token only (each segment holds the tensors it replays on)."""
+    """A CPU graph pool: a token (each segment holds the tensors it replays on) that also keeps
+    the storages its captures write, so the recorder can tell memory of the graph (outputs of its
+    ops and breaks) from values that come from outside it."""
+
+    def __init__(self) -> None:
+        self.graph_memory: set[int] = set()
 
     def __repr__(self) -> str:
         return f"<bcg_core CPU graph pool at {id(self):#x}>"
@@ -98,6 +109,7 @@ class CpuSegment:
         self._recorder: Recorder | None = None
         self._stream: CpuStream | None = None
         self._steps: tuple[Step, ...] = ()
+        self._host_scalars: tuple[HostScalar, ...] = ()
         self._locations: tuple[str, ...] = ()
         self._empty = False
 
@@ -129,7 +141,7 @@ class CpuSegment:
         stream = current_cpu_stream()
         if stream.capturing is not None:
             raise CaptureError(f"{stream!r} is already capturing")
-        recorder = new_recorder()
+        recorder = new_recorder(pool.graph_memory if isinstance(pool, CpuPool) else None)
         recorder.start()
         self._recorder, self._stream = recorder, stream
         stream.capturing = self
@@ -151,12 +163,17 @@ class CpuSegment:
                 error.location,
             ) from error
         self._steps = tuple(recorder.steps)
+        self._host_scalars = tuple(recorder.host_scalars)
         if isinstance(recorder, LocatingRecorder):
             self._locations = tuple(dict.fromkeys(recorder.locations))
         self._empty = not self._steps
 
     def launcher(self) -> Callable[[], None]:
-        steps = self._steps
+        """Replay the steps; a segment that read 0-dim tensors from outside the graph first
+        checks they still hold their capture-time values (see ``HostScalar``)."""
+        steps: tuple[Step, ...] = self._steps
+        if self._host_scalars:
+            steps = (*(s.check for s in self._host_scalars), *steps)
         below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
         no_autocast = torch._C._DisableAutocast
 
@@ -169,6 +186,7 @@ class CpuSegment:
 
     def reset(self) -> None:
         self._steps = ()
+        self._host_scalars = ()
         self._locations = ()
 
 
@@ -177,6 +195,7 @@ class CpuBackend:
 
     name = "cpu"
     device_type = "cpu"
+    executes_at_capture = True
 
     def is_available(self) -> bool:
         return True
@@ -219,6 +238,16 @@ class CpuBackend:
     def pool_bytes(self, pool: Any) -> int | None:
         """Unknown: a CPU pool is a token (its segments hold their tensors)."""
         return None
+
+    def note_graph_memory(self, pool: Any, tensors: Sequence[Any]) -> None:
+        if isinstance(pool, CpuPool):
+            pool.graph_memory.update(t.untyped_storage().data_ptr() for t in tensors)
+
+    def range_push(self, name: str) -> None:
+        """No device timeline: ``torch.profiler.record_function`` names CPU steps already."""
+
+    def range_pop(self) -> None:
+        """No device timeline (see :meth:`range_push`)."""
 
 
 def _no_hooks() -> None:

@@ -47,7 +47,7 @@ from typing import Any, NoReturn
 import torch
 import torch.utils._python_dispatch
 
-from bcg_core._errors import CaptureError, HostSyncError
+from bcg_core._errors import CaptureError, HostSyncError, ReplayError
 from bcg_core._trees import map_tensors, tensor_leaves
 
 Step = Callable[[], object]
@@ -326,6 +326,43 @@ def _run_and_copy(
     return copy_many
 
 
+class HostScalar:
+    """A 0-dim operand from outside the graph, and the value it had when ``op`` read it at capture.
+
+    On CUDA a 0-dim *CPU* tensor operand is passed to the kernel by value at capture, so replay
+    keeps using that value, while a 0-dim *device* tensor is read at replay. On the CPU backend
+    every tensor is a CPU tensor and the two cannot be told apart, so a segment refuses to
+    replay once such a value changed (:meth:`check`): any answer it gave could be GPU-wrong.
+    """
+
+    __slots__ = ("graph_memory", "live", "op", "value")
+
+    def __init__(self, op: Any, t: torch.Tensor, graph_memory: set[int]) -> None:
+        self.op = op
+        self.graph_memory = graph_memory
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            self.live = _snapshot(t)
+            self.value = t.detach().clone()
+
+    def check(self) -> None:
+        if torch.equal(self.live, self.value):
+            return
+        # Read before the graph wrote it (a KV cache's position counter, read then add_'ed):
+        # graph state, which a GPU re-reads too. Known only once the whole capture is recorded.
+        if _storage_ptr(self.live) in self.graph_memory:
+            return
+        raise ReplayError(
+            f"{self.op} in a CPU graph segment read a 0-dim tensor from outside the graph whose "
+            f"value changed since capture ({self.value.item()} -> {self.live.item()}). On a GPU "
+            "this is wrong either way for one of the two kinds of tensor: a CUDA graph bakes a "
+            "0-dim CPU tensor operand (a scheduler's sigma kept on the host) into the kernel at "
+            "capture, so replay keeps using the old value, but re-reads a 0-dim CUDA tensor; the "
+            "CPU backend cannot tell which this is. Keep a value that changes between replays in "
+            "a device tensor of shape (1,) copied in before replay, pass it through a break, or "
+            "capture again after changing it."
+        )
+
+
 _capture_ids = itertools.count(1)
 
 
@@ -340,13 +377,18 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch would wrap __torch_dispatch__ in torch._disable_dynamo (importing dynamo on the
-        # first op and adding a frame per op); a recorder is never traced by torch.compile.
+        # first op and adding a frame per op); while dynamo is not even imported nothing can
+        # compile, and new_recorder() picks _CompilingRecorder otherwise.
         return False
 
-    def __init__(self) -> None:
+    def __init__(self, graph_memory: set[int] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.capture_id = next(_capture_ids)
         self.steps: list[Step] = []
+        # Storages this capture writes (shared by its segments through the pool): a 0-dim
+        # operand outside them is a value from outside the graph, see host_scalars.
+        self.graph_memory: set[int] = graph_memory if graph_memory is not None else set()
+        self.host_scalars: list[HostScalar] = []
         self.error: HostSyncError | None = None
         self._token: Token[Recorder | None] | None = None
         self._hooks: contextlib.ExitStack | None = None
@@ -430,16 +472,25 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         packet = func.overloadpacket
         tags = func.tags
+        outs = _tensors(out)
         if packet in _ALLOCATIONS:
+            self.graph_memory.update(map(_storage_ptr, outs))
             return  # uninitialised memory: nothing to compute at replay
         if packet in _METADATA_MUTATIONS or torch.Tag.inplace_view in tags:
             return  # metadata only; later steps hold snapshots with the new metadata
         mutable: bool = func._schema.is_mutable
-        outs = _tensors(out)
-        inputs = {_storage_ptr(t) for t in _tensors((args, kwargs)) if t.untyped_storage().nbytes()}
+        operands = _tensors((args, kwargs))
+        inputs = {_storage_ptr(t) for t in operands if t.untyped_storage().nbytes()}
         fresh = [i for i, t in enumerate(outs) if t.numel() and _storage_ptr(t) not in inputs]
-        if not mutable and not fresh and (outs or not _tensors((args, kwargs))):
+        if not mutable and not fresh and (outs or not operands):
             return  # a view or an alias of its inputs (checked by storage): metadata only
+        written = {_storage_ptr(t) for t in outs}
+        for t in operands:
+            if t.dim() == 0 and t.layout is torch.strided:
+                ptr = _storage_ptr(t)
+                if ptr not in self.graph_memory and ptr not in written:
+                    self.host_scalars.append(HostScalar(func, t, self.graph_memory))
+        self.graph_memory.update(written)
         with torch._C._AutoDispatchBelowADInplaceOrView():
             s_args, s_kwargs = _snapshot(args), _snapshot(kwargs)
             if not fresh:
@@ -454,6 +505,25 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
             dsts = [_snapshot(outs[i]) for i in fresh]
         single = isinstance(out, torch.Tensor)
         self.steps.append(_run_and_copy(func._op, s_args, s_kwargs, single, fresh, dsts))
+
+
+class _CompilingRecorder(Recorder):  # type: ignore[no-untyped-call]
+    """A recorder that ``torch.compile`` treats as opaque: torch wraps its ``__torch_dispatch__``
+    in ``torch._disable_dynamo``, so dynamo, tracing a compiled function while the recorder is
+    active, runs the recorder instead of inlining it (and recording fake tensors)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 # -- source locations (opt-in: walking the stack per op costs capture time) ----------------------
@@ -472,19 +542,13 @@ def record_source_locations() -> Iterator[None]:
         _LOCATIONS.reset(token)
 
 
-def new_recorder() -> Recorder:
-    """A recorder for one segment: a :class:`LocatingRecorder` inside
-    :func:`record_source_locations`, else a plain :class:`Recorder`."""
-    return LocatingRecorder() if _LOCATIONS.get() else Recorder()
+class LocatingRecorder(_CompilingRecorder):  # type: ignore[no-untyped-call]
+    """A recorder that also notes :func:`user_location` of every operation the segment issues
+    (allocations and views too: ``torch.tensor(host_list)`` is one); a separate kind, so that
+    capture without locations pays nothing for them (opaque to dynamo: it only runs in checks)."""
 
-
-class LocatingRecorder(Recorder):  # type: ignore[no-untyped-call]
-    """A :class:`Recorder` that also notes :func:`user_location` of every operation the segment
-    issues (allocations and views too: ``torch.tensor(host_list)`` is one); a subclass, so that
-    capture without locations pays nothing for them."""
-
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, graph_memory: set[int] | None = None) -> None:
+        super().__init__(graph_memory)
         self.locations: list[str] = []
 
     def __torch_dispatch__(
@@ -499,3 +563,14 @@ class LocatingRecorder(Recorder):  # type: ignore[no-untyped-call]
         if location is not None:
             self.locations.append(location)
         return out
+
+
+def new_recorder(graph_memory: set[int] | None = None) -> Recorder:
+    """A recorder for one segment: a :class:`LocatingRecorder` inside
+    :func:`record_source_locations`; else the opaque kind once ``torch._dynamo`` is imported
+    (something may compile), else the cheaper kind dynamo is never near."""
+    if _LOCATIONS.get():
+        return LocatingRecorder(graph_memory)
+    if "torch._dynamo" in sys.modules:
+        return _CompilingRecorder(graph_memory)
+    return Recorder(graph_memory)

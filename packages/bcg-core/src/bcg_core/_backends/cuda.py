@@ -87,6 +87,7 @@ class CudaBackend:
 
     name = "cuda"
     device_type = "cuda"
+    executes_at_capture = False
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()
@@ -140,6 +141,15 @@ class CudaBackend:
             for s in segments
             if tuple(s.get("segment_pool_id", ())) == tuple(pool_id(pool))
         )
+
+    def note_graph_memory(self, pool: Any, tensors: Sequence[Any]) -> None:
+        """Nothing to note: a CUDA kernel reads device memory at replay wherever it came from."""
+
+    def range_push(self, name: str) -> None:
+        torch.cuda.nvtx.range_push(name)  # type: ignore[no-untyped-call]
+
+    def range_pop(self) -> None:
+        torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
 
 
 def _recover(pool: Any) -> None:

@@ -71,6 +71,9 @@ class GraphBackend(Protocol):
     name: str
     device_type: str
     """The ``torch.device`` type of the tensors this backend captures ("cuda", "cpu")."""
+    executes_at_capture: bool
+    """True when recording a segment also runs it (CPU), so a faithful capture must not launch
+    it again; False when capture only records (CUDA)."""
 
     def is_available(self) -> bool:
         """Whether this backend can capture on this machine."""
@@ -109,6 +112,19 @@ class GraphBackend(Protocol):
 
     def pool_bytes(self, pool: Any) -> int | None:
         """Bytes the allocator holds for ``pool`` right now, or None when unknown."""
+        ...
+
+    def note_graph_memory(self, pool: Any, tensors: Sequence[Any]) -> None:
+        """Tell the backend that ``tensors`` (a break's bridged outputs) are memory the capture
+        into ``pool`` writes at every replay, like a segment's own outputs."""
+        ...
+
+    def range_push(self, name: str) -> None:
+        """Open a named range in the device's own profiler timeline (NVTX), if it has one."""
+        ...
+
+    def range_pop(self) -> None:
+        """Close the range opened by the last :meth:`range_push`."""
         ...
 
 

@@ -13,7 +13,12 @@ from bcg_core.bench._cli import main
 from bcg_core.bench._harness import EAGER, FULL_GRAPH, BenchContext, Contender, Measurement, Stats
 from bcg_core.bench._report import environment
 from bcg_core.bench._toy_decoder import DecoderConfig, ToyDecoder, bench_config, tiny_config
-from bcg_core.bench._workloads import WORKLOAD_GROUP, compile_contender, full_graph_contender
+from bcg_core.bench._workloads import (
+    WORKLOAD_GROUP,
+    compile_contender,
+    full_graph_contender,
+    replay_check,
+)
 
 __all__ = [
     "EAGER",
@@ -30,5 +35,6 @@ __all__ = [
     "environment",
     "full_graph_contender",
     "main",
+    "replay_check",
     "tiny_config",
 ]

@@ -40,7 +40,11 @@ class Contender:
 
     ``keep_alive`` holds what a captured ``step`` reads by address (the eager step closing over
     its inputs): a graph does not own its inputs, and replaying after they are freed reads
-    whatever the allocator put there since."""
+    whatever the allocator put there since.
+
+    ``check`` runs once after timing and gives ``correct``: it should run the contender once more
+    (a replay, for a graph) and compare that output with an independent eager run, so a replay
+    that went wrong while being timed is reported. A check that raises counts as incorrect."""
 
     name: str
     step: Callable[[], object] | None
@@ -50,6 +54,7 @@ class Contender:
     segments: int | None = None
     correct: bool | None = None
     keep_alive: object = None
+    check: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -116,7 +121,8 @@ class BenchContext:
 
     def compare(self, workload: str, case: str, contenders: list[Contender]) -> list[Measurement]:
         """Time every runnable contender ``repeats`` times, interleaved, after one warm-up
-        pass each; ratios are computed per repeat against ``eager`` and ``full_graph``."""
+        pass each, then run each contender's ``check``; ratios are computed per repeat against
+        ``eager`` and ``full_graph``."""
         ready = [c for c in contenders if c.step is not None]
         for c in ready:
             self.progress(f"{workload} {case}: warming up {c.name}")
@@ -128,6 +134,10 @@ class BenchContext:
             for c in ready:
                 assert c.step is not None
                 times[c.name].append(self._time(c.step))
+        for c in ready:
+            if c.check is not None:
+                self.progress(f"{workload} {case}: checking {c.name}")
+                c.correct = _run_check(c.check)
         out = []
         for c in contenders:
             if c.step is None:
@@ -149,6 +159,13 @@ class BenchContext:
                 )
             )
         return out
+
+
+def _run_check(check: Callable[[], bool]) -> bool:
+    try:
+        return bool(check())
+    except Exception:
+        return False
 
 
 def _ratios(mine: list[float], base: list[float] | None) -> Stats | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import importlib.metadata
 from collections.abc import Callable
 from typing import Any
@@ -32,11 +33,26 @@ COMPILE = "torch.compile"
 
 def discover() -> dict[str, Workload]:
     """Every installed workload by name (core's own first, then entry points)."""
-    found: dict[str, Workload] = {"decoder": decoder_workload, "break-overhead": break_overhead}
+    found: dict[str, Workload] = {
+        "decoder": decoder_workload,
+        "break-overhead": break_overhead,
+        "hf-llama": _lazy("bcg_core.bench._hf_llama", "hf_llama_workload"),
+        "capture": _lazy("bcg_core.bench._capture_workload", "capture_workload"),
+    }
     for ep in importlib.metadata.entry_points(group=WORKLOAD_GROUP):
         if ep.name not in found:
             found[ep.name] = ep.load()
     return found
+
+
+def _lazy(module: str, name: str) -> Workload:
+    """A workload imported only when it runs (its module may need an optional library)."""
+
+    def run(ctx: BenchContext) -> list[Measurement]:
+        workload: Workload = getattr(importlib.import_module(module), name)
+        return workload(ctx)
+
+    return run
 
 
 def cli_decoder_config(dtype: torch.dtype = torch.bfloat16) -> DecoderConfig:
@@ -61,11 +77,56 @@ def _warm(fn: Callable[[], object], device: torch.device, iters: int = 2) -> Non
     torch.cuda.current_stream(device).wait_stream(side)
 
 
+Reference = torch.Tensor | Callable[[], torch.Tensor]
+
+
+def replay_check(
+    ctx: BenchContext,
+    run: Callable[[], torch.Tensor],
+    reference: Reference,
+    *,
+    prepare: Callable[[], None] | None = None,
+) -> Callable[[], bool]:
+    """A :attr:`Contender.check`: ``run()`` (one more replay, returning the contender's output)
+    must equal the eager output bitwise. A callable ``reference`` is the eager step, run at
+    check time, after the timing; a tensor is an eager output of the same inputs computed
+    earlier. ``prepare`` (for steps with state, e.g. a counter they advance) runs before the
+    eager step and again before ``run``, so both start from the same state."""
+
+    def check() -> bool:
+        if callable(reference):
+            if prepare is not None:
+                prepare()
+            expected = reference().clone()
+        else:
+            expected = reference
+        if prepare is not None:
+            prepare()
+        got = run()
+        ctx.synchronize()
+        return _equal(got, expected)
+
+    return check
+
+
+def _replaying(replay: Callable[[], object], out: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def run() -> torch.Tensor:
+        replay()
+        return out
+
+    return run
+
+
 def full_graph_contender(
-    ctx: BenchContext, step: Callable[[], torch.Tensor], reference: torch.Tensor
+    ctx: BenchContext,
+    step: Callable[[], torch.Tensor],
+    reference: Reference,
+    *,
+    prepare: Callable[[], None] | None = None,
 ) -> Contender:
-    """One plain ``torch.cuda.CUDAGraph`` of the whole step, checked against ``reference``
-    (CUDA only; the caller makes sure the step is fully capturable, e.g. with the flag off)."""
+    """One plain ``torch.cuda.CUDAGraph`` of the whole step, checked after timing against
+    ``reference`` (see :func:`replay_check`; CUDA only; the caller makes sure the step is fully
+    capturable, e.g. with the flag off)."""
     device = ctx.device
     if device.type != "cuda":
         return Contender(FULL_GRAPH, None, skipped="needs CUDA")
@@ -84,15 +145,20 @@ def full_graph_contender(
         graph.replay,
         capture_ms=ms,
         segments=1,
-        correct=_equal(out, reference),
         keep_alive=step,
+        check=replay_check(ctx, _replaying(graph.replay, out), reference, prepare=prepare),
     )
 
 
 def bcg_contender(
-    ctx: BenchContext, step: Callable[[], torch.Tensor], reference: torch.Tensor
+    ctx: BenchContext,
+    step: Callable[[], torch.Tensor],
+    reference: Reference,
+    *,
+    prepare: Callable[[], None] | None = None,
 ) -> Contender:
-    """A breakable graph of the step with the flag on (breaks at the model's break points)."""
+    """A breakable graph of the step with the flag on (breaks at the model's break points),
+    checked after timing against ``reference`` (see :func:`replay_check`)."""
     device = ctx.device
     graph = BreakableCUDAGraph(backend=device.type)
     with enable_breakable_cuda_graph():
@@ -112,34 +178,42 @@ def bcg_contender(
         capture_ms=ms,
         pool_mb=None if pool is None else pool / 2**20,
         segments=graph.num_segments,
-        correct=_equal(out, reference),
         keep_alive=step,
+        check=replay_check(ctx, _replaying(graph.replay, out), reference, prepare=prepare),
     )
 
 
 def compile_contender(
     ctx: BenchContext,
     step: Callable[[], torch.Tensor],
-    reference: torch.Tensor,
+    reference: Reference,
     exact: Callable[[], torch.Tensor],
 ) -> Contender:
     """``torch.compile(mode="reduce-overhead")`` of the step (the caller makes the break a
     graph break); CUDA only, and not in ``--smoke`` (compiling takes minutes on small hosts).
 
     Inductor fuses and reorders low-precision arithmetic, so it is not checked bitwise:
-    ``exact()`` runs the same model in float32, and the contender is correct when its error
-    against that is at most twice eager's (``reference``). ``exact`` is only called when the
-    contender runs.
+    ``exact()`` runs the same model in float32, and after timing the contender's next output is
+    correct when its error against that is at most twice eager's (``reference``, a tensor or the
+    eager step). ``exact`` is only called when the contender runs. Its capture ms are the three
+    calls that compile and record it.
     """
     if ctx.device.type != "cuda" or ctx.smoke:
         return Contender(COMPILE, None, skipped="needs CUDA and a full run (not --smoke)")
     compiled = torch.compile(step, mode="reduce-overhead")
-    for _ in range(3):
-        out = compiled()
+    # Its "capture" is compiling plus cudagraph-trees recording: the three calls it takes.
+    _, ms = ctx.timed(lambda: [compiled() for _ in range(3)][-1])
     ctx.synchronize()
-    truth = exact()
-    close = _max_error(out, truth) <= 2 * _max_error(reference, truth) + 1e-6
-    return Contender(COMPILE, compiled, correct=close)
+    truth = exact().clone()
+
+    def check() -> bool:
+        eager = reference() if callable(reference) else reference
+        eager_error = _max_error(eager, truth)
+        out = compiled()
+        ctx.synchronize()
+        return _max_error(out, truth) <= 2 * eager_error + 1e-6
+
+    return Contender(COMPILE, compiled, capture_ms=ms, check=check)
 
 
 def _max_error(a: torch.Tensor, exact: torch.Tensor) -> float:
@@ -150,7 +224,7 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.float(), b.float()))
 
 
-def _peer() -> Any:
+def peer_module() -> Any:
     try:
         import breakable_cuda_graphs  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError:
@@ -194,23 +268,22 @@ def _decoder_case(
     ctx.progress(f"decoder batch={batch}: building contenders")
     with torch.no_grad():
         step = decode_step(model, batch)
-        reference = step().clone()
         # torch.compile last: with the peer captured after its cudagraph trees had recorded,
         # one H200 run hit an illegal address while timing (each of the two alone ran clean).
         contenders = [
             Contender(EAGER, step),
-            ctx.build(FULL_GRAPH, lambda: full_graph_contender(ctx, step, reference)),
-            ctx.build("bcg", lambda: bcg_contender(ctx, step, reference)),
+            ctx.build(FULL_GRAPH, lambda: full_graph_contender(ctx, step, step)),
+            ctx.build("bcg", lambda: bcg_contender(ctx, step, step)),
             ctx.build(
                 PEER,
-                lambda: _peer_decoder(ctx, peer_model, decode_step(peer_model, batch), reference),
+                lambda: _peer_decoder(ctx, peer_model, decode_step(peer_model, batch), step),
             ),
             ctx.build(
                 COMPILE,
                 lambda: compile_contender(
                     ctx,
                     decode_step(compiled_model, batch),
-                    reference,
+                    step,
                     lambda: decode_step(exact_model(), batch)(),
                 ),
             ),
@@ -234,12 +307,38 @@ def decode_step(model: ToyDecoder, batch: int) -> Callable[[], torch.Tensor]:
 
 
 def _peer_decoder(
-    ctx: BenchContext, model: ToyDecoder, step: Callable[[], torch.Tensor], ref: torch.Tensor
+    ctx: BenchContext, model: ToyDecoder, step: Callable[[], torch.Tensor], ref: Reference
 ) -> Contender:
-    peer = _peer()
+    peer = peer_module()
     if peer is None or ctx.device.type != "cuda":
-        why = "needs CUDA" if peer is not None else f"not installed (pip install {PEER})"
-        return Contender(PEER, None, skipped=why)
+        return Contender(PEER, None, skipped=peer_unavailable(peer))
+    model.set_attention(peer_attention(peer))
+    graph = peer.BreakableCUDAGraph()
+    _warm(step, ctx.device)
+
+    def capture() -> torch.Tensor:
+        with peer.breakable_graph(graph):
+            return step()
+
+    result, ms = ctx.timed(capture)
+    graph.replay()
+    assert isinstance(result, torch.Tensor)
+    return Contender(
+        PEER,
+        graph.replay,
+        capture_ms=ms,
+        keep_alive=step,
+        check=replay_check(ctx, _replaying(graph.replay, result), ref),
+    )
+
+
+def peer_unavailable(peer: Any) -> str:
+    """Why the peer contender is skipped on this machine."""
+    return "needs CUDA" if peer is not None else f"not installed (pip install {PEER})"
+
+
+def peer_attention(peer: Any) -> Callable[..., torch.Tensor]:
+    """The toy decoder's attention as a break of the peer package (see ``set_attention``)."""
 
     # The peer's breaks may not return CUDA tensors: attention writes into a graph buffer.
     @peer.no_graph  # type: ignore[untyped-decorator,unused-ignore]
@@ -252,20 +351,7 @@ def _peer_decoder(
         attention_into(out, *args)
         return out
 
-    model.set_attention(attention)
-    graph = peer.BreakableCUDAGraph()
-    _warm(step, ctx.device)
-
-    def capture() -> torch.Tensor:
-        with peer.breakable_graph(graph):
-            return step()
-
-    result, ms = ctx.timed(capture)
-    graph.replay()
-    assert isinstance(result, torch.Tensor)
-    return Contender(
-        PEER, graph.replay, capture_ms=ms, correct=_equal(result, ref), keep_alive=step
-    )
+    return attention
 
 
 def break_overhead(ctx: BenchContext) -> list[Measurement]:
@@ -289,25 +375,46 @@ def break_overhead(ctx: BenchContext) -> list[Measurement]:
             x.add_(1)
         return x.add_(1)
 
+    def restart() -> None:
+        x.zero_()
+
+    # x counts up at every step, so each check starts eager and the replay from zero.
     contenders = [Contender(EAGER, with_breaks)]
     if ctx.device.type == "cuda":
-        contenders.append(ctx.build(FULL_GRAPH, lambda: full_graph_contender(ctx, kernels_only, x)))
+        contenders.append(
+            ctx.build(
+                FULL_GRAPH,
+                lambda: full_graph_contender(ctx, kernels_only, with_breaks, prepare=restart),
+            )
+        )
         raw = []
-        for _ in range(k + 1):
-            g = torch.cuda.CUDAGraph()
-            _warm(lambda: x.add_(1), ctx.device)
-            with torch.cuda.graph(g):
-                x.add_(1)
-            raw.append(g.replay)
+        _warm(lambda: x.add_(1), ctx.device)
+
+        def capture_raw() -> None:
+            for _ in range(k + 1):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    x.add_(1)
+                raw.append(g.replay)
+
+        _, raw_ms = ctx.timed(capture_raw)
 
         def raw_launches() -> None:
             for launch in raw:
                 launch()
 
-        contenders.append(Contender("raw_launches", raw_launches, segments=k + 1))
+        contenders.append(
+            Contender(
+                "raw_launches",
+                raw_launches,
+                capture_ms=raw_ms,
+                segments=k + 1,
+                check=replay_check(ctx, _replaying(raw_launches, x), with_breaks, prepare=restart),
+            )
+        )
     else:
         contenders.append(Contender(FULL_GRAPH, None, skipped="needs CUDA"))
-    bcg = ctx.build("bcg", lambda: bcg_contender(ctx, with_breaks, x))
-    bcg.correct = None  # x keeps counting up; values are checked by the test suites instead
-    contenders.append(bcg)
+    contenders.append(
+        ctx.build("bcg", lambda: bcg_contender(ctx, with_breaks, with_breaks, prepare=restart))
+    )
     return ctx.compare("break-overhead", f"breaks={k}", contenders)

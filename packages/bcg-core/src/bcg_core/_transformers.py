@@ -1,0 +1,130 @@
+"""transformers integration: a breakable attention implementation on top of a registered one.
+
+transformers looks attention up by name on every forward
+(``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)``) and the mask
+function by the same name (``ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]``). A name
+registered for attention but not for masks is taken for a backend that builds no mask, so the
+attention silently gets ``attention_mask=None`` (StaticCache decode then attends to every empty
+slot). :func:`breakable_attention` therefore registers both, under one name.
+
+The break is the attention call alone: the Q/K/V projections, RoPE and the KV-cache update
+(``StaticCache`` writes in place, in the graph) are captured; at replay the break runs again on
+the capture-time query and the cache tensors, which a static cache keeps at fixed addresses.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from bcg_core._breaks import eager_on_graph
+from bcg_core._flag import is_in_breakable_cuda_graph
+
+PREFIX = "bcg_"
+_PAGED = "paged|"
+_EXTRA = 'pip install "bcg-core[transformers]"'
+
+_lock = threading.Lock()
+_registered: dict[str, str] = {}  # base implementation -> registered name
+
+
+def breakable_attention(base: str = "sdpa") -> str:
+    """Register a breakable version of the transformers attention implementation ``base`` and
+    return its name, to use as ``attn_implementation``::
+
+        name = bcg_core.breakable_attention("sdpa")           # "bcg_sdpa"
+        model.set_attn_implementation(name)   # or from_config(..., attn_implementation=name)
+
+    ``base`` is any name registered in transformers' ``AttentionInterface`` (``sdpa``,
+    ``flex_attention``, a custom one) or ``eager`` (each model's own ``eager_attention_forward``,
+    found from the attention module's class). The new name is ``"bcg_" + base`` (after a
+    ``paged|`` prefix), so transformers' substring checks (``"sdpa" in name``) still apply. Its
+    mask function is ``base``'s, registered under the new name too; a base without one gets none,
+    as before.
+
+    While :func:`is_in_breakable_cuda_graph` is true the attention call is one
+    ``@eager_on_graph`` break; otherwise it is ``base``'s function, unchanged. Registering is
+    process-wide, idempotent and additive (no existing name changes).
+
+    Raises ``ImportError`` naming the extra when transformers (>= 5) is missing, ``ValueError``
+    for an unknown ``base`` and for ``flash_attention_*``, whose functions pick their kernel from
+    the model config's implementation name and cannot run under another name.
+    """
+    attention_interface, mask_interface = _interfaces()
+    paged = base.startswith(_PAGED)
+    plain = base.removeprefix(_PAGED)
+    if plain.startswith(PREFIX):
+        return base  # already breakable
+    if "flash" in plain:
+        raise ValueError(
+            f"breakable_attention({base!r}): transformers' flash attention functions choose their "
+            "kernel from the model's attn_implementation name, so they cannot run under a new "
+            'name; use "sdpa" (or register your own flash function and wrap that name)'
+        )
+    with _lock:
+        name = _registered.get(base)
+        if name is not None:
+            return name
+        if plain == "eager" and not paged:
+            function = _model_eager
+        elif base in attention_interface._global_mapping:
+            function = attention_interface._global_mapping[base]
+        else:
+            known = sorted({"eager", *attention_interface._global_mapping})
+            raise ValueError(
+                f"breakable_attention: unknown attention implementation {base!r}; transformers "
+                f"has {known}"
+            )
+        name = (_PAGED if paged else "") + PREFIX + plain
+        attention_interface.register(name, _make_breakable(function, name))
+        mask = mask_interface._global_mapping.get(base)
+        if mask is not None:
+            mask_interface.register(name, mask)
+        _registered[base] = name
+        return name
+
+
+def _interfaces() -> tuple[Any, Any]:
+    try:
+        import transformers
+        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.modeling_utils import AttentionInterface
+    except ImportError as exc:
+        raise ImportError(
+            f"bcg_core.breakable_attention needs transformers >= 5: {_EXTRA}"
+        ) from exc
+    major = int(transformers.__version__.split(".")[0])
+    if major < 5:
+        raise ImportError(
+            f"bcg_core.breakable_attention needs transformers >= 5, found "
+            f"{transformers.__version__}: {_EXTRA}"
+        )
+    return AttentionInterface, AttentionMaskInterface
+
+
+def _model_eager(module: Any, *args: Any, **kwargs: Any) -> Any:
+    """The eager attention of the model ``module`` belongs to: transformers keeps no global
+    ``eager`` function, each modeling file defines ``eager_attention_forward``."""
+    modeling = sys.modules[type(module).__module__]
+    function = getattr(modeling, "eager_attention_forward", None)
+    if function is None:
+        raise TypeError(
+            f"{type(module).__module__} defines no eager_attention_forward; use "
+            'breakable_attention("sdpa") for this model'
+        )
+    return function(module, *args, **kwargs)
+
+
+def _make_breakable(function: Callable[..., Any], name: str) -> Callable[..., Any]:
+    as_break = eager_on_graph(name=f"transformers attention ({name})")(function)
+
+    def attention(module: Any, *args: Any, **kwargs: Any) -> Any:
+        if is_in_breakable_cuda_graph():
+            return as_break(module, *args, **kwargs)
+        return function(module, *args, **kwargs)
+
+    attention.__name__ = attention.__qualname__ = f"{name}_attention_forward"
+    attention.__doc__ = f"{getattr(function, '__name__', function)}, as a bcg break point."
+    return attention

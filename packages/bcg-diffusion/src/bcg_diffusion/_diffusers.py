@@ -1,0 +1,134 @@
+"""Every attention *op* of a diffusers transformer as a break point, projections captured.
+
+diffusers runs attention in two ways, and both are module-level names looked up at call time:
+
+- models built on the dispatcher (Flux, Wan, QwenImage, HunyuanVideo, LTX, ...) call
+  ``dispatch_attention_fn``, imported by name into each model module. Patching it in
+  ``diffusers.models.attention_dispatch`` reaches no model, so the name is patched in every
+  module that holds it;
+- processor-based models (SD3, PixArt, Sana's cross-attention, HunyuanDiT, ...) call
+  ``F.scaled_dot_product_attention`` inside their processors, ``F`` being the processor
+  module's alias of ``torch.nn.functional``. That alias is replaced, in those modules only, by a
+  copy of ``torch.nn.functional`` whose ``scaled_dot_product_attention`` is the break. Patching
+  ``torch.nn.functional`` itself would reach every library in the process; wrapping the
+  processor's ``__call__`` would put the Q/K/V and output projections in the break.
+
+The modules looked at are those defining the classes (and their bases) of the model's
+submodules and of their attention processors; torch's own modules are never touched. The
+patches are reference-counted (see ``_patching.py``) and pass through unless the breakable-graph
+flag is on, so eager calls are unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from bcg_diffusion._attention import make_breakable_attention_forward
+from bcg_diffusion._patching import PatchHandle, combine, patch_attribute
+
+_DISPATCH = "dispatch_attention_fn"
+_SDPA = "scaled_dot_product_attention"
+# Marks a breakable copy of torch.nn.functional, so a module patched already is recognised.
+_FUNCTIONAL_OF = "__bcg_functional_of__"
+
+
+def breakable_functional(functional: types.ModuleType) -> types.ModuleType:
+    """A copy of ``torch.nn.functional`` whose ``scaled_dot_product_attention`` is a break point
+    (under the flag); every other name is the same object, and attribute access costs the same
+    as on the module itself."""
+    proxy = types.ModuleType(functional.__name__, functional.__doc__)
+    proxy.__dict__.update(vars(functional))
+    setattr(proxy, _SDPA, make_breakable_attention_forward(getattr(functional, _SDPA)))
+    setattr(proxy, _FUNCTIONAL_OF, functional)
+    return proxy
+
+
+def make_attention_ops_breakable(model: torch.nn.Module) -> PatchHandle:
+    """Make every attention op of a diffusers transformer a break point; return the handle that
+    undoes it (``remove()`` or a ``with`` block; pass it to :class:`DiTRunner` as
+    ``breakable_attention=`` and the runner releases it on ``close()``).
+
+    Covers models calling ``dispatch_attention_fn`` (any backend) and processors calling
+    ``F.scaled_dot_product_attention``; see the module docstring for what is patched and why.
+    Each patched name holds one more reference per call, so several runners can share a model
+    class. Not covered: code calling ``torch.nn.functional.scaled_dot_product_attention`` by its
+    full path, and attention that is no sdpa (Sana's linear self-attention, which is all matmuls
+    and stays in the graph). Raises ``ValueError`` when the model has no attention op it knows.
+    """
+    handles: list[PatchHandle] = []
+    try:
+        for module in _source_modules(model):
+            if callable(vars(module).get(_DISPATCH)):
+                handles.append(patch_attribute(module, _DISPATCH, make_breakable_attention_forward))
+            if not _calls_sdpa(module):
+                continue
+            for name, value in list(vars(module).items()):
+                if value is torch.nn.functional or _is_breakable_functional(value):
+                    handles.append(patch_attribute(module, name, breakable_functional))
+    except BaseException:
+        for h in handles:
+            h.remove()
+        raise
+    if not handles:
+        raise ValueError(
+            f"found no attention op in {type(model).__name__}: none of its modules calls "
+            f"{_DISPATCH} or F.{_SDPA}; make its attention class a break with "
+            "install_breakable_attention(cls) instead"
+        )
+    return combine(handles)
+
+
+def _is_breakable_functional(value: Any) -> bool:
+    return getattr(value, _FUNCTIONAL_OF, None) is torch.nn.functional
+
+
+def _source_modules(model: torch.nn.Module) -> list[types.ModuleType]:
+    """Python modules defining the classes of ``model``'s submodules and attention processors
+    (bases included), in first-seen order; torch's and builtins' excluded."""
+    seen: dict[str, types.ModuleType] = {}
+    for obj in _model_objects(model):
+        for cls in type(obj).__mro__:
+            name = cls.__module__
+            if name in seen or name == "builtins" or name.split(".")[0] == "torch":
+                continue
+            module = sys.modules.get(name)
+            if module is not None:
+                seen[name] = module
+    return list(seen.values())
+
+
+def _model_objects(model: torch.nn.Module) -> Iterator[object]:
+    for sub in model.modules():
+        yield sub
+        processor = getattr(sub, "processor", None)
+        if processor is not None:
+            yield processor
+
+
+def _calls_sdpa(module: types.ModuleType) -> bool:
+    """Whether code defined in ``module`` (functions, methods, nested functions) names
+    ``scaled_dot_product_attention``."""
+    codes: list[types.CodeType] = []
+    for value in vars(module).values():
+        if getattr(value, "__module__", None) != module.__name__:
+            continue
+        if isinstance(value, type):
+            members: list[Any] = list(vars(value).values())
+        else:
+            members = [value]
+        for member in members:
+            func = getattr(member, "__func__", member)  # staticmethod / classmethod
+            code = getattr(func, "__code__", None)
+            if isinstance(code, types.CodeType):
+                codes.append(code)
+    while codes:
+        code = codes.pop()
+        if _SDPA in code.co_names:
+            return True
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return False

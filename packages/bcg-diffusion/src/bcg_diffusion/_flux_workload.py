@@ -1,0 +1,127 @@
+"""The ``flux`` workload of ``bcg bench``: diffusers' FluxTransformer2DModel, attention ops as
+the breaks (:func:`make_attention_ops_breakable`), projections captured.
+
+Model (random weights from a config, nothing downloaded; bf16 on CUDA): 4 dual + 8 single
+blocks, 4 heads x 128 = dim 512, RoPE axes (16, 56, 56), patch 1, 64 input channels (a 32x32
+latent grid of 64-channel packed latents, i.e. 1024 image tokens), 64 text tokens of width 4096
+(T5's), pooled text 768 (CLIP's), no guidance embedding. One timed step is one Euler step of a
+flow-matching loop (transformer call plus the update) on fixed latents, so ``--steps`` timed
+steps (20 by default) are one 20-step denoising loop's worth.
+
+Contenders: eager, one full CUDA graph (flag off, attention captured), bcg through
+:class:`DiTRunner` (``return_views=True``, as a graph replay returns nothing either) and
+torch.compile of the same step. Skipped with the reason when diffusers is not installed.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from bcg_core.bench import (
+    BenchContext,
+    Contender,
+    Measurement,
+    compile_contender,
+    full_graph_contender,
+    replay_check,
+)
+from bcg_diffusion._diffusers import make_attention_ops_breakable
+from bcg_diffusion._runner import DiTRunner
+
+WORKLOAD = "flux"
+CONTENDERS = ("eager", "full_graph", "bcg", "torch.compile")
+
+
+def flux_workload(ctx: BenchContext) -> list[Measurement]:
+    try:
+        import diffusers
+    except ImportError:
+        why = 'diffusers is not installed (pip install "bcg-diffusion[diffusers]")'
+        return [Measurement(WORKLOAD, "-", c, None, skipped=why) for c in CONTENDERS]
+    cuda = ctx.device.type == "cuda"
+    if ctx.smoke:
+        heads, head_dim, rope, layers, single = 2, 16, (4, 6, 6), 1, 1
+        channels, joint, pooled_dim, grid, text_len = 4, 32, 32, 4, 8
+        dtype = torch.bfloat16 if cuda else torch.float32
+    else:
+        heads, head_dim, rope, layers, single = 4, 128, (16, 56, 56), 4, 8
+        channels, joint, pooled_dim, grid, text_len = 64, 4096, 768, 32, 64
+        dtype = torch.bfloat16
+    torch.manual_seed(0)
+    flux: Any = diffusers.FluxTransformer2DModel  # untyped library
+    model = flux(
+        patch_size=1, in_channels=channels, num_layers=layers, num_single_layers=single,
+        attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=joint,
+        pooled_projection_dim=pooled_dim, axes_dims_rope=rope, guidance_embeds=False,
+    ).to(ctx.device, dtype).eval()  # fmt: skip
+    device = ctx.device
+    gen = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, grid * grid, channels, generator=gen).to(device, dtype)
+    text = torch.randn(1, text_len, joint, generator=gen)
+    pooled = torch.randn(1, pooled_dim, generator=gen)
+    rows, cols = torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float()
+    inputs = {
+        "encoder_hidden_states": text.to(device, dtype),
+        "pooled_projections": pooled.to(device, dtype),
+        "img_ids": img_ids.to(device),
+        "txt_ids": torch.zeros(text_len, 3, device=device),
+    }
+    t = torch.full((1,), 0.5, device=device)
+    dt = 1.0 / 20
+
+    def euler_step(
+        net: torch.nn.Module, x: torch.Tensor, kw: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        v: torch.Tensor = net(hidden_states=x, timestep=t, return_dict=False, **kw)[0]
+        return x - dt * v
+
+    def step() -> torch.Tensor:
+        return euler_step(model, latents, inputs)
+
+    def exact_output() -> torch.Tensor:
+        """The same weights and inputs in float32: what torch.compile is checked against."""
+        exact = copy.deepcopy(model).float()
+        kw = {k: v.float() for k, v in inputs.items()}
+        return euler_step(exact, latents.float(), kw)
+
+    runner = DiTRunner(
+        step,
+        breakable_attention=make_attention_ops_breakable(model),
+        device=ctx.device,
+        return_views=True,
+    )
+
+    def make_bcg() -> Contender:
+        _, ms = ctx.timed(runner.capture)
+        if not runner.stats.entries:
+            return Contender("bcg", None, skipped=f"capture failed: {runner.blocked_signatures}")
+        entry = runner.stats.entries[0]
+        return Contender(
+            "bcg",
+            runner,
+            capture_ms=ms,
+            pool_mb=None if entry.pool_bytes is None else entry.pool_bytes / 2**20,
+            segments=entry.segments,
+            keep_alive=step,
+            check=replay_check(ctx, runner, step),
+        )
+
+    try:
+        with torch.no_grad():
+            contenders = [
+                Contender("eager", step),
+                ctx.build("full_graph", lambda: full_graph_contender(ctx, step, step)),
+                ctx.build("bcg", make_bcg),
+                ctx.build(
+                    "torch.compile",
+                    lambda: compile_contender(ctx, step, step, exact_output),
+                ),
+            ]
+            case = f"{grid}x{grid} latents, {text_len} text tokens"
+            return ctx.compare(WORKLOAD, case, contenders)
+    finally:
+        runner.close()

@@ -1,0 +1,206 @@
+"""Reference-counted attribute patches: a module's function, a class's method, one instance's.
+
+A patch replaces ``target.name`` by ``wrap(original)``. Every call of :func:`patch_attribute`
+takes one reference on ``(target, name, wrap)`` and returns a :class:`PatchHandle`; the
+attribute goes back to what it was when the last reference on it is released. So two runners
+can patch the same target, and closing one leaves the other's patch in place.
+
+Several different ``wrap`` functions on one attribute stack in the order they were first
+installed: the attribute is ``wrap_n(...wrap_1(original))``, recomputed from the original
+whenever one of them is added or released, so they can be released in any order.
+
+All state is guarded by one lock. If something else replaced the attribute after bcg patched it,
+bcg leaves it alone on release (restoring would clobber the other patch) and logs a warning.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import threading
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+logger = logging.getLogger("bcg_diffusion")
+
+Wrap = Callable[[Any], Any]
+
+_ABSENT = object()
+
+
+@dataclass
+class _Slot:
+    """One patched attribute: what it held before bcg, and the wraps installed on it."""
+
+    target: Any
+    name: str
+    kind: str  # "module", "class" or "instance"
+    original: Any  # the target's own attribute (its __dict__ entry), or _ABSENT
+    base: Any  # what the wraps are applied to (the resolved original, e.g. an inherited method)
+    layers: dict[Wrap, int] = field(default_factory=dict)  # wrap -> references, install order
+    installed: Any = _ABSENT
+
+    def describe(self) -> str:
+        owner = getattr(self.target, "__qualname__", None) or getattr(self.target, "__name__", "")
+        if self.kind == "instance":
+            owner = f"{type(self.target).__qualname__} instance at {id(self.target):#x}"
+        return f"{owner}.{self.name}"
+
+
+_lock = threading.RLock()
+_slots: dict[tuple[int, str], _Slot] = {}
+
+
+class PatchHandle:
+    """References on one or more patched attributes. :meth:`remove` releases them (idempotent);
+    a ``with`` block releases them on exit. Dropping a handle without removing it keeps its
+    patches for the life of the process, as an unreleased reference should."""
+
+    def __init__(self, refs: list[tuple[_Slot, Wrap]], targets: tuple[str, ...]) -> None:
+        self._refs = refs
+        self.targets = targets
+
+    @property
+    def active(self) -> bool:
+        """Whether this handle still holds its references."""
+        return bool(self._refs)
+
+    def remove(self) -> None:
+        with _lock:
+            refs, self._refs = self._refs, []
+            for slot, wrap in reversed(refs):
+                _release(slot, wrap)
+
+    def __enter__(self) -> PatchHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return f"PatchHandle({', '.join(self.targets)}; {state})"
+
+
+def combine(handles: list[PatchHandle]) -> PatchHandle:
+    """One handle holding the references of ``handles`` (which are emptied)."""
+    refs: list[tuple[_Slot, Wrap]] = []
+    targets: list[str] = []
+    for h in handles:
+        refs += h._refs
+        targets += h.targets
+        h._refs = []
+    return PatchHandle(refs, tuple(targets))
+
+
+def patch_attribute(target: Any, name: str, wrap: Wrap) -> PatchHandle:
+    """Replace ``target.name`` by ``wrap(original)`` and return a handle holding one reference.
+
+    ``target`` is a module (or its dotted name: a module-level function such as a model module's
+    ``dispatch_attention_fn``), a class (a method such as ``forward`` or ``__call__``; inherited
+    methods, staticmethods and classmethods keep their kind) or any other object (that one
+    instance only: the wrap gets the bound method). ``wrap`` is the reference key: the same
+    ``wrap`` on the same attribute shares the patch.
+
+    Raises ``AttributeError`` when ``target`` has no attribute ``name`` (nothing is patched).
+    """
+    if isinstance(target, str):
+        target = importlib.import_module(target)
+    kind = (
+        "module"
+        if isinstance(target, types.ModuleType)
+        else "class"
+        if isinstance(target, type)
+        else "instance"
+    )
+    with _lock:
+        key = (id(target), name)
+        slot = _slots.get(key)
+        if slot is None:
+            slot = _new_slot(target, name, kind)
+        elif not _still_ours(slot):
+            # Someone replaced our patch: start over from what is there now.
+            _warn_replaced(slot)
+            slot = _new_slot(target, name, kind)
+        if wrap in slot.layers:
+            slot.layers[wrap] += 1  # shares the installed patch: nothing to recompute
+        else:
+            slot.layers[wrap] = 1
+            try:
+                _apply(slot)
+            except BaseException:
+                del slot.layers[wrap]
+                raise
+            _slots[key] = slot
+        return PatchHandle([(slot, wrap)], (slot.describe(),))
+
+
+def patch_count(target: Any, name: str) -> int:
+    """References currently held on ``target.name`` (all wraps together)."""
+    with _lock:
+        slot = _slots.get((id(target), name))
+        return 0 if slot is None else sum(slot.layers.values())
+
+
+def _new_slot(target: Any, name: str, kind: str) -> _Slot:
+    base = inspect.getattr_static(target, name) if kind == "class" else getattr(target, name)
+    own = vars(target).get(name, _ABSENT) if hasattr(target, "__dict__") else _ABSENT
+    return _Slot(target, name, kind, own, base)
+
+
+def _compose(slot: _Slot) -> Any:
+    base = slot.base
+    descriptor: type[Any] | None = None
+    if isinstance(base, (staticmethod, classmethod)):
+        descriptor, base = type(base), base.__func__
+    for wrap in slot.layers:
+        base = wrap(base)
+    return base if descriptor is None else descriptor(base)
+
+
+def _apply(slot: _Slot) -> None:
+    if slot.layers:
+        value = _compose(slot)
+        setattr(slot.target, slot.name, value)
+        slot.installed = value
+        return
+    if slot.original is _ABSENT:
+        delattr(slot.target, slot.name)
+    else:
+        setattr(slot.target, slot.name, slot.original)
+    del _slots[(id(slot.target), slot.name)]
+
+
+def _still_ours(slot: _Slot) -> bool:
+    current = vars(slot.target).get(slot.name, _ABSENT)
+    return current is slot.installed
+
+
+def _warn_replaced(slot: _Slot) -> None:
+    logger.warning(
+        "bcg: %s was replaced by other code after bcg patched it; bcg leaves it as it is",
+        slot.describe(),
+    )
+
+
+def _release(slot: _Slot, wrap: Wrap) -> None:
+    key = (id(slot.target), slot.name)
+    if _slots.get(key) is not slot:
+        return  # dropped earlier because other code replaced the attribute
+    if not _still_ours(slot):
+        _warn_replaced(slot)
+        del _slots[key]
+        return
+    slot.layers[wrap] -= 1
+    if slot.layers[wrap] == 0:
+        del slot.layers[wrap]
+        _apply(slot)

@@ -1,0 +1,132 @@
+"""transformers models (tiny, random weights, float32) decoding with a StaticCache through
+BreakableGraphRunner on the CPU graph backend, with bcg_core.breakable_attention.
+
+The recipe for the stateful cache: a StaticCache advances its position (a tensor inside the
+cache) in place on every forward, in the graph too. ``runner.capture()`` runs the step several
+times (warm-ups, the capture, one replay), so the cache tensors are saved before the capture and
+copied back in place after it (in place: the graph reads those addresses). The eager reference
+steps its own cache, prefilled with the same prompt.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import bcg_core
+from bcg_core import BreakableGraphRunner
+
+transformers = pytest.importorskip(
+    "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
+)
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: E402
+
+SMALL = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+    "max_position_embeddings": 64,
+}  # fmt: skip
+FAMILIES: dict[str, Callable[[], Any]] = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL),
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=16),
+}
+
+
+def _model(family: str, attn: str) -> Any:
+    torch.manual_seed(0)
+    config = FAMILIES[family]()
+    return transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=attn, dtype=torch.float32
+    ).eval()
+
+
+def cache_tensors(cache: Any) -> list[torch.Tensor]:
+    """Everything a StaticCache's forward mutates: keys, values and the position counter."""
+    return [
+        t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)
+    ]
+
+
+def _prefilled(model: Any, prompt: torch.Tensor) -> Any:
+    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    return cache
+
+
+def decode_through_runner(model: Any, steps: int, device: str = "cpu") -> None:
+    """Greedy decode: the runner's graph against eager on a second cache, bitwise, per step."""
+    prompt = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    cache, reference_cache = _prefilled(model, prompt), _prefilled(model, prompt)
+
+    def decode(ids: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        return logits
+
+    runner = BreakableGraphRunner(decode, device=device)
+    ids = prompt[:, -1:].flip(0)
+    with torch.no_grad():
+        saved = [t.clone() for t in cache_tensors(cache)]
+        runner.capture(ids)  # advances the cache several times...
+        for t, s in zip(cache_tensors(cache), saved, strict=True):
+            t.copy_(s)  # ...so put it back where it was, in place
+        (entry,) = runner.stats.entries
+        assert entry.breaks == model.config.num_hidden_layers
+        assert entry.segments == entry.breaks + 1
+        for _ in range(steps):
+            got = runner(ids)
+            expected = model(input_ids=ids, past_key_values=reference_cache, use_cache=True).logits
+            assert torch.equal(got, expected)
+            ids = expected[:, -1:].argmax(-1)
+    assert runner.stats.hits == steps
+    assert torch.equal(
+        cache.layers[0].cumulative_length, reference_cache.layers[0].cumulative_length
+    )
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_static_cache_decode_replays_equal_eager(family: str) -> None:
+    decode_through_runner(_model(family, bcg_core.breakable_attention("sdpa")), steps=3)
+
+
+def test_eager_base_uses_the_models_own_eager_attention() -> None:
+    name = bcg_core.breakable_attention("eager")
+    assert name == "bcg_eager"
+    decode_through_runner(_model("qwen3", name), steps=3)
+
+
+def test_mask_is_registered_with_the_attention() -> None:
+    """Without the mask function the decode would attend to the empty cache slots."""
+    name = bcg_core.breakable_attention("sdpa")
+    assert bcg_core.breakable_attention("sdpa") == name == "bcg_sdpa"
+    assert bcg_core.breakable_attention(name) == name
+    masks = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    assert masks[name] is masks["sdpa"]
+    plain, breakable = _model("llama", "sdpa"), _model("llama", "sdpa")
+    breakable.set_attn_implementation(name)
+    assert breakable.config._attn_implementation == name
+    prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(3))
+    caches = _prefilled(plain, prompt), _prefilled(breakable, prompt)
+    ids = torch.tensor([[7]])
+    with torch.no_grad():
+        a = plain(input_ids=ids, past_key_values=caches[0], use_cache=True).logits
+        b = breakable(input_ids=ids, past_key_values=caches[1], use_cache=True).logits
+    assert torch.equal(a, b)
+
+
+def test_bad_bases_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown attention implementation 'nope'"):
+        bcg_core.breakable_attention("nope")
+    with pytest.raises(ValueError, match="flash attention functions choose their kernel"):
+        bcg_core.breakable_attention("flash_attention_2")
+
+
+def test_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r'pip install "bcg-core\[transformers\]"'):
+        bcg_core.breakable_attention("sdpa")
