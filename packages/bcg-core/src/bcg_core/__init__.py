@@ -16,6 +16,8 @@ from bcg_core._capture import BreakableCUDAGraphCapture
 from bcg_core._check import check_capture
 from bcg_core._context import get_current_stream, is_breakable_capture_active
 from bcg_core._debug import keep_alive_ok
+from bcg_core._divergence import check_divergence
+from bcg_core._divergence_report import DivergenceReport, TensorDiff
 from bcg_core._errors import (
     BCG_FAILURE_HINT,
     BreakableGraphError,
@@ -44,15 +46,18 @@ __all__ = [
     "BreakableGraphError",
     "BreakableGraphRunner",
     "CaptureError",
+    "DivergenceReport",
     "EntryStats",
     "ReplayError",
     "RunnerStats",
+    "TensorDiff",
     "UnjoinedStreamError",
     "__version__",
     "break_graph",
     "breakable_attention",
     "breakable_graphs_disabled",
     "check_capture",
+    "check_divergence",
     "describe_difference",
     "disable_breakable_graphs",
     "eager_on_graph",

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any, TypeVar, overload
 
 import torch
@@ -37,6 +40,31 @@ def _call_break(
 _compiled_call_break = torch._disable_dynamo(  # type: ignore[attr-defined]
     _call_break, recursive=True
 )
+
+
+# -- the break observer of the divergence check (_divergence.py) -------------------------------
+BreakObserver = Callable[[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+_OBSERVER: ContextVar[BreakObserver | None] = ContextVar("bcg_break_observer", default=None)
+_observer_lock = threading.Lock()
+_observing = 0  # observe_breaks() blocks open in any context; the eager path reads only this
+
+
+@contextlib.contextmanager
+def observe_breaks(observer: BreakObserver | None) -> Iterator[None]:
+    """In this block (this context only), an enabled break called outside a capture is handed
+    to ``observer(name, fn, args, kwargs)``, which must call ``fn`` and return its result;
+    ``None`` calls through (for breaks nested in an observed one). Refcounted, so a break
+    costs one global read when no block is open anywhere."""
+    global _observing
+    with _observer_lock:
+        _observing += 1
+    token = _OBSERVER.set(observer)
+    try:
+        yield
+    finally:
+        _OBSERVER.reset(token)
+        with _observer_lock:
+            _observing -= 1
 
 
 @overload
@@ -95,7 +123,13 @@ def eager_on_graph(
                     f, capture_stub, strict, break_name, enable, args, kwargs
                 )
             state = active_capture()
-            if state is None or state.in_break or not enable:
+            if state is None:
+                if _observing and enable:
+                    observe = _OBSERVER.get()
+                    if observe is not None:
+                        return observe(break_name, f, args, kwargs)
+                return f(*args, **kwargs)
+            if state.in_break or not enable:
                 return f(*args, **kwargs)
             return state.record_break(f, capture_stub, strict, break_name, args, kwargs)
 

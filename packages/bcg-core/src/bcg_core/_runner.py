@@ -15,6 +15,8 @@ import torch
 from bcg_core import _trees
 from bcg_core._backends import backend_for
 from bcg_core._capture import BreakableCUDAGraphCapture
+from bcg_core._divergence import runner_divergence
+from bcg_core._divergence_report import DivergenceReport
 from bcg_core._flag import (
     breakable_graphs_disabled,
     disabled_reason,
@@ -284,6 +286,37 @@ class BreakableGraphRunner:
                 self._side = self._graph_backend.new_stream(self.device)
             return self._side
 
+    def check_divergence(self, *args: Any, **kwargs: Any) -> DivergenceReport:
+        """Compare eager and replay for this call on the graph captured for its signature
+        (bitwise, seed 0; see :func:`bcg_core.check_divergence`): e.g. before serving, with
+        inputs other than the capture's. Raises :class:`ValueError` when no graph is captured
+        for the call's signature."""
+        with self._lock:
+            values: list[bool | int | float] = []
+            if self._lift is None:
+                call_args, call_kwargs = args, kwargs
+            else:
+                call_args, call_kwargs, values = self._lift(args, kwargs)
+            sig, live = signature_and_tensors(call_args, call_kwargs)
+            entry = self._entries.get(sig)
+            if entry is None:
+                why = describe_difference(sig, list(self._entries))
+                raise ValueError(f"no graph is captured for this call's signature: {why}")
+
+            def load() -> tuple[tuple[Any, ...], dict[str, Any]]:
+                entry.load(live, values)
+                return entry.static_call
+
+            # Ordered with the pool's replays on other streams, as a call is.
+            stream = self._graph_backend.current_stream(self.device)
+            self._turn.wait(stream)
+            try:
+                return runner_divergence(
+                    self.module, entry.graph, entry.output, load, self.replay_context
+                )
+            finally:
+                self._turn.record(stream)
+
     @property
     def stats(self) -> RunnerStats:
         with self._lock:
@@ -388,6 +421,7 @@ class BreakableGraphRunner:
             fill=tuple(fill),
             scalars=scalars,
             output=output,
+            static_call=(static_args, static_kwargs),
             keep_alive=identity_objects(*call),
             capture_runs=self.warmup_iters + 1,
             pool_bytes=graph.pool_bytes(),

@@ -38,6 +38,7 @@ class Entry:
     fill: tuple[int, ...]
     scalars: list[torch.Tensor]
     output: Any
+    static_call: tuple[tuple[Any, ...], dict[str, Any]]
     keep_alive: list[Any]
     capture_runs: int
     pool_bytes: int | None

@@ -9,6 +9,7 @@ here.
 from __future__ import annotations
 
 from bcg_core._backends.cpu import CpuBackend
+from bcg_core._backends.cpu_recorder import record_source_locations
 from bcg_core._backends.cuda import CudaBackend
 from bcg_core._backends.seam import (
     CaptureInfo,
@@ -46,4 +47,5 @@ __all__ = [
     "StreamObserver",
     "backend_for",
     "pool_id",
+    "record_source_locations",
 ]

@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-from bcg_core._backends.cpu_recorder import HostScalar, Recorder, Step, new_recorder
+from bcg_core._backends.cpu_recorder import (
+    HostScalar,
+    LocatingRecorder,
+    Recorder,
+    Step,
+    new_recorder,
+)
 from bcg_core._backends.seam import CaptureInfo, CaptureStatus, StreamObserver
 from bcg_core._errors import CaptureError, HostSyncError
 
@@ -117,6 +123,7 @@ class CpuSegment:
         self._stream: CpuStream | None = None
         self._steps: tuple[Step, ...] = ()
         self._host_scalars: tuple[HostScalar, ...] = ()
+        self._locations: tuple[str, ...] = ()
         self._empty = False
 
     @property
@@ -136,6 +143,12 @@ class CpuSegment:
     def num_steps(self) -> int:
         """Operations run per replay (views and allocations excluded)."""
         return len(self._steps)
+
+    @property
+    def source_locations(self) -> tuple[str, ...]:
+        """The distinct user source lines (``file:line``, in first-use order) of this segment's
+        operations; empty unless captured inside ``record_source_locations()``."""
+        return self._locations
 
     def capture_begin(self, pool: Any, capture_error_mode: str) -> None:
         stream = current_cpu_stream()
@@ -164,6 +177,8 @@ class CpuSegment:
             ) from error
         self._steps = tuple(recorder.steps)
         self._host_scalars = tuple(recorder.host_scalars)
+        if isinstance(recorder, LocatingRecorder):
+            self._locations = tuple(dict.fromkeys(recorder.locations))
         self._empty = not self._steps
 
     def launcher(self) -> Callable[[], None]:
@@ -185,6 +200,7 @@ class CpuSegment:
     def reset(self) -> None:
         self._steps = ()
         self._host_scalars = ()
+        self._locations = ()
 
 
 class CpuBackend:

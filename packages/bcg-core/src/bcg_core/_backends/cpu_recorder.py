@@ -526,9 +526,51 @@ class _CompilingRecorder(Recorder):  # type: ignore[no-untyped-call]
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+# -- source locations (opt-in: walking the stack per op costs capture time) ----------------------
+
+_LOCATIONS: ContextVar[bool] = ContextVar("bcg_core_cpu_locations", default=False)
+
+
+@contextlib.contextmanager
+def record_source_locations() -> Iterator[None]:
+    """CPU segments captured inside this block record the user's source line of each operation
+    (see :class:`LocatingRecorder`); the divergence check turns it on."""
+    token = _LOCATIONS.set(True)
+    try:
+        yield
+    finally:
+        _LOCATIONS.reset(token)
+
+
+class LocatingRecorder(_CompilingRecorder):  # type: ignore[no-untyped-call]
+    """A recorder that also notes :func:`user_location` of every operation the segment issues
+    (allocations and views too: ``torch.tensor(host_list)`` is one); a separate kind, so that
+    capture without locations pays nothing for them (opaque to dynamo: it only runs in checks)."""
+
+    def __init__(self, graph_memory: set[int] | None = None) -> None:
+        super().__init__(graph_memory)
+        self.locations: list[str] = []
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        location = user_location()
+        if location is not None:
+            self.locations.append(location)
+        return out
+
+
 def new_recorder(graph_memory: set[int] | None = None) -> Recorder:
-    """A recorder for one segment: the opaque kind once ``torch._dynamo`` is imported (something
-    may compile), else the cheaper kind dynamo is never near."""
+    """A recorder for one segment: a :class:`LocatingRecorder` inside
+    :func:`record_source_locations`; else the opaque kind once ``torch._dynamo`` is imported
+    (something may compile), else the cheaper kind dynamo is never near."""
+    if _LOCATIONS.get():
+        return LocatingRecorder(graph_memory)
     if "torch._dynamo" in sys.modules:
         return _CompilingRecorder(graph_memory)
     return Recorder(graph_memory)

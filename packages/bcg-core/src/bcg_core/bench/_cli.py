@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from bcg_core import check_capture
+from bcg_core import check_capture, check_divergence
 from bcg_core.bench._harness import EAGER, BenchContext, Contender, Measurement
 from bcg_core.bench._report import print_table, progress, write_json, write_plot
 from bcg_core.bench._toy_decoder import ToyDecoder, tiny_config
@@ -117,10 +117,25 @@ def _load(target: str) -> Callable[[], Any]:
 
 
 def check(args: argparse.Namespace) -> int:
-    """Run a zero-argument callable under CPU capture; report the first host sync or success."""
-    report = check_capture(_load(args.target))
-    print(f"{args.target}: {report}")
-    return 0 if report.ok else 1
+    """Run a zero-argument callable under CPU capture; report the first host sync or success.
+    With ``--divergence`` the callable returns ``(fn, input_sets)`` instead, and the divergence
+    check compares eager and replay of ``fn`` over the sets."""
+    target = _load(args.target)
+    if not args.divergence:
+        report = check_capture(target)
+        print(f"{args.target}: {report}")
+        return 0 if report.ok else 1
+    made = target()
+    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
+        raise SystemExit(
+            f"bcg check --divergence: {args.target} must return (fn, input_sets), got {made!r}"
+        )
+    fn, sets = made
+    divergence = check_divergence(
+        fn, sets, backend=args.backend, atol=args.atol, rtol=args.rtol, seed=args.seed
+    )
+    print(f"{args.target}: {divergence}")
+    return 0 if divergence.ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -142,8 +157,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bench.add_argument("--json", type=Path, default=None, help="write every figure as JSON")
     p_bench.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart")
     p_bench.set_defaults(func=bench)
-    p_check = sub.add_parser("check", help="does a callable capture? (CPU capture, no GPU)")
+    p_check = sub.add_parser(
+        "check",
+        help="does a callable capture? (CPU capture, no GPU); --divergence: replay vs eager",
+    )
     p_check.add_argument("target", help="MODULE:CALLABLE or FILE.py:CALLABLE, zero arguments")
+    p_check.add_argument(
+        "--divergence", action="store_true",
+        help="the callable returns (fn, input_sets): compare eager and replay of fn over them",
+    )  # fmt: skip
+    p_check.add_argument("--backend", choices=("cpu", "cuda"), default=None)
+    p_check.add_argument("--atol", type=float, default=0.0, help="with --divergence (bitwise: 0)")
+    p_check.add_argument("--rtol", type=float, default=0.0, help="with --divergence (bitwise: 0)")
+    p_check.add_argument("--seed", type=int, default=0, help="with --divergence")
     p_check.set_defaults(func=check)
     args = parser.parse_args(argv)
     result: int = args.func(args)

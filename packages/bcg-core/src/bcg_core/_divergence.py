@@ -1,0 +1,528 @@
+"""The divergence check: does replaying a captured breakable graph give what running eagerly gives?
+
+A value read on the host and used inside a segment (a number from ``.item()``, a Python list of
+sequence lengths) is frozen into the segment at capture, and every replay reuses it: silent wrong
+output. This module captures a callable once, then for other inputs runs it eagerly and by replay
+and compares, break call by break call, to name the first segment whose results differ.
+
+How the two runs are observed: the eager run goes through the break decorator, which hands each
+enabled break call to the observer set by ``_breaks.observe_breaks`` (one global read per break
+call when no check runs); the replay is an instrumented walk over the graph's steps (the
+ordinary ``replay()`` is untouched). Both record, per break call, its arguments after it ran
+and the output that the code after it sees, plus the step's output; tensors are cloned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bcg_core import _trees
+from bcg_core._backends import backend_for, record_source_locations
+from bcg_core._breaks import observe_breaks
+from bcg_core._capture import BreakableCUDAGraphCapture
+from bcg_core._context import active_capture
+from bcg_core._divergence_report import Cause, DivergenceReport, Status, TensorDiff
+from bcg_core._errors import CaptureError
+from bcg_core._flag import enable_breakable_cuda_graph
+from bcg_core._graph import BreakableCUDAGraph, BreakStep, SegmentStep
+from bcg_core._signature import Signature, flatten_signature, signature_and_tensors, static_call
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+InputSet = Any  # a Call, a tuple of positional arguments, one argument, or a callable of those
+
+
+@dataclass(frozen=True)
+class _Values:
+    """A frozen structure: its leaves (tensors cloned) and its spec."""
+
+    leaves: list[Any]
+    spec: _trees.TreeSpec
+
+
+@dataclass(frozen=True)
+class _BreakCall:
+    name: str
+    arguments: _Values  # after the call: see _eager
+    outputs: _Values
+
+
+@dataclass(frozen=True)
+class _Run:
+    calls: list[_BreakCall]
+    output: _Values
+
+
+@dataclass(frozen=True)
+class _Finding:
+    call: int  # index of the break call where it was seen; len(calls) for the step's output
+    part: str  # "arguments", "outputs", "sequence" or "output"
+    name: str | None
+    diffs: tuple[TensorDiff, ...]
+    cause: Cause
+
+
+def check_divergence(
+    fn: Callable[..., Any],
+    inputs: Sequence[InputSet],
+    *,
+    backend: str | None = None,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    seed: int = 0,
+) -> DivergenceReport:
+    """Capture ``fn`` with the first input set, then, for every other set, run ``fn`` eagerly and
+    by replay and report the first graph segment whose results differ.
+
+    ``inputs``: two or more input sets. A set is ``(args_tuple, kwargs_dict)``, a tuple of
+    positional arguments, a single non-tuple argument, or a zero-argument callable returning
+    one of those (called before every run: use it when host metadata lives in an object that
+    the engine updates in place). Tensors in containers (tuples, lists, dicts ...) are copied
+    into static buffers made from set 0, which the capture reads and which every later set is
+    copied into before its eager run and its replay, so both read identical memory: their
+    shapes, dtypes and devices must match set 0's (else :class:`ValueError`, before anything
+    runs). Every other value (Python numbers, lists, strings, objects and the tensors inside
+    them) reaches the eager run as given; the replay cannot see it, since the graph holds what
+    it saw at capture — which is the class of bug this check finds.
+
+    Compared, in order, with ``atol``/``rtol`` (bitwise when both are 0, NaNs equal): the
+    arguments of every enabled break call once it ran (state it updates, such as a KV cache,
+    is compared as the call leaves it), the output the code after it sees
+    (non-tensor outputs are frozen at capture), and ``fn``'s output. The first difference
+    blames the segment that produced it (see :class:`DivergenceReport`); a difference that a
+    segment writes only into state read by a later segment is blamed where it first reaches a
+    break or the output. On the CPU backend the report lists the source lines of the segment's
+    operations (recorded at capture; CUDA segments have none).
+
+    Randomness: ``torch.manual_seed(seed)`` runs before each eager run and before each replay
+    (a CUDA graph draws from the seed and offset current at replay; the CPU backend re-runs
+    random ops from the same generator in eager order), and the caller's RNG state is restored
+    afterwards. Each set runs eagerly twice; when the two eager runs differ the report says
+    ``"nondeterministic"`` there instead of blaming the replay.
+
+    ``backend``: "cpu" or "cuda"; None picks "cuda" when an input tensor is on a CUDA device.
+    ``fn`` runs once to warm up and once under capture with set 0, then three times per other
+    set (eager, eager, replay), all with the breakable-graph flag on: it must be repeatable
+    (writing this step's cache slot is; incrementing a counter is not). Cost: memory for one
+    clone of every break call's arguments and outputs per run. Errors: :class:`TypeError` or
+    :class:`ValueError` for bad arguments; a failed capture raises as in
+    :class:`BreakableCUDAGraphCapture`; the graph is always released.
+    """
+    if not callable(fn):
+        raise TypeError(f"check_divergence needs a callable, got {fn!r}")
+    if atol < 0 or rtol < 0:
+        raise ValueError(f"atol and rtol must be >= 0, got atol={atol}, rtol={rtol}")
+    sets = list(inputs)
+    if len(sets) < 2:
+        raise ValueError(
+            f"check_divergence needs at least two input sets (one to capture with, one or more "
+            f"to compare), got {len(sets)}"
+        )
+    if active_capture() is not None:
+        raise CaptureError("check_divergence() cannot run inside a breakable capture")
+    first = _resolve(sets[0])
+    name = _pick_backend(backend, first)
+    sig0, _ = signature_and_tensors(*first)
+    for i, entry in enumerate(sets[1:], start=1):
+        if not callable(entry):
+            _check_same_shapes(sig0, _resolve(entry), i)
+    statics: list[torch.Tensor] = []
+
+    def make_static(t: torch.Tensor) -> torch.Tensor:
+        statics.append(t.detach().clone())
+        return statics[-1]
+
+    static_args, static_kwargs = static_call(*first, make_static)
+    graph = BreakableCUDAGraph(backend=name)
+    # Static buffers are memory the graph re-reads at every replay, as the runner's are.
+    backend_for(name).note_graph_memory(graph.pool(), statics)
+    with _restored_rng():
+        try:
+            output = _capture(graph, fn, static_args, static_kwargs)
+
+            def loader(entry: InputSet, i: int) -> Callable[[], Call]:
+                def load() -> Call:
+                    call = _resolve(entry)
+                    live = _check_same_shapes(sig0, call, i)
+                    _copy_into(statics, live)
+                    fill = iter(statics)
+                    return static_call(*call, lambda _: next(fill))
+
+                return load
+
+            for i, entry in enumerate(sets[1:], start=1):
+                report = compare_eager_and_replay(
+                    fn, graph, output, loader(entry, i), atol=atol, rtol=rtol, seed=seed,
+                    input_set=i, input_sets=len(sets),
+                )  # fmt: skip
+                if not report.ok:
+                    return report
+            return report
+        finally:
+            graph.reset()
+
+
+def compare_eager_and_replay(
+    fn: Callable[..., Any],
+    graph: BreakableCUDAGraph,
+    output: Any,
+    load: Callable[[], Call],
+    *,
+    replay_context: Callable[[], AbstractContextManager[Any]] | None = None,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    seed: int = 0,
+    input_set: int = 1,
+    input_sets: int = 2,
+) -> DivergenceReport:
+    """One comparison on a captured ``graph``: ``load()`` copies the inputs into the graph's
+    static buffers and returns the call for the eager runs; ``output`` is the capture-time
+    output, which the replay refreshes. Runs eager twice and the replay once, each after
+    ``torch.manual_seed(seed)`` (the caller restores the RNG state), and reports as
+    :func:`check_divergence` does."""
+    if not graph.is_captured:
+        raise ValueError("the graph holds no capture; capture it before checking divergence")
+    first = _eager(fn, load(), seed)
+    second = _eager(fn, load(), seed)
+    load()
+    replayed = _replay(graph, output, seed, replay_context)
+    ok = DivergenceReport("ok", graph.backend, input_sets, graph.num_segments, graph.num_breaks)
+    found = _first_difference(first, second, atol, rtol)
+    status: Status = "nondeterministic"
+    if found is None:
+        found = _first_difference(first, replayed, atol, rtol)
+        status = "diverged"
+    if found is None:
+        return ok
+    segment, before, after = _blame(found, list(graph.break_names))
+    where = (
+        "the step's output"
+        if found.part == "output"
+        else f"the {found.part} of break {found.name!r} (call {found.call + 1})"
+    )
+    return dataclasses.replace(
+        ok,
+        status=status,
+        input_set=input_set,
+        observed_at=where,
+        segment=segment,
+        break_before=before,
+        break_after=after,
+        cause=found.cause,
+        diffs=found.diffs,
+        source_lines=_source_lines(graph, segment),
+    )
+
+
+# -- the runs ------------------------------------------------------------------------------------
+
+
+def _capture(
+    graph: BreakableCUDAGraph, fn: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]
+) -> Any:
+    """Warm up once on a side stream (library handles, lazy state), then capture on it, as
+    the runner does; CPU segments record their source lines."""
+    backend = backend_for(graph.backend)
+    side = backend.new_stream()
+    side.wait_stream(backend.current_stream())
+    with backend.stream_context(side), enable_breakable_cuda_graph():
+        fn(*args, **kw)
+    backend.current_stream().wait_stream(side)
+    with (
+        record_source_locations(),
+        enable_breakable_cuda_graph(),
+        BreakableCUDAGraphCapture(graph, stream=side),
+    ):
+        output = fn(*args, **kw)
+    # Breaks ran for real on the side stream at capture; eager runs on the current stream.
+    backend.current_stream().wait_stream(side)
+    return output
+
+
+def _eager(fn: Callable[..., Any], call: Call, seed: int) -> _Run:
+    """Run ``fn`` eagerly, recording each break call's arguments *after* it ran and its output.
+
+    After, not before: a break's arguments often include state that it updates (a KV cache),
+    which before the call still holds what the previous run wrote; a repeatable step leaves the
+    same state behind in every run, whatever it started from."""
+    calls: list[_BreakCall] = []
+
+    def observe(
+        name: str, f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        with observe_breaks(None):  # breaks nested in a break are part of it, as at replay
+            out = f(*args, **kwargs)
+        calls.append(_BreakCall(name, _freeze((args, kwargs)), _freeze(out)))
+        return out
+
+    torch.manual_seed(seed)
+    with observe_breaks(observe), enable_breakable_cuda_graph():
+        out = fn(*call[0], **call[1])
+    return _Run(calls, _freeze(out))
+
+
+def _replay(
+    graph: BreakableCUDAGraph,
+    output: Any,
+    seed: int,
+    replay_context: Callable[[], AbstractContextManager[Any]] | None,
+) -> _Run:
+    """``graph.replay()`` step by step, recording each break call as :func:`_eager` does."""
+    calls: list[_BreakCall] = []
+    torch.manual_seed(seed)
+    with replay_context() if replay_context is not None else contextlib.nullcontext():
+        for step in graph._steps:  # the steps replay() launches, in order
+            if isinstance(step, SegmentStep):
+                step.segment.launcher()()
+                continue
+            step.run()
+            arguments = _freeze((step.args, step.kwargs))
+            calls.append(_BreakCall(step.name, arguments, _freeze(step.bridge.output)))
+    return _Run(calls, _freeze(output))
+
+
+# -- comparing -----------------------------------------------------------------------------------
+
+
+def _freeze(obj: Any) -> _Values:
+    leaves, spec = _trees.flatten(obj)
+    return _Values([x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+
+def _first_difference(a: _Run, b: _Run, atol: float, rtol: float) -> _Finding | None:
+    for j, (x, y) in enumerate(zip(a.calls, b.calls, strict=False)):
+        if x.name != y.name:
+            diff = TensorDiff(
+                f"break call {j + 1}", None, None, f"eager called {x.name!r}, replay {y.name!r}"
+            )
+            return _Finding(j, "sequence", x.name, (diff,), "break_sequence")
+        diffs = _compare(x.arguments, y.arguments, atol, rtol, call_paths=True)
+        if diffs:
+            frozen = any(d.shape is None for d in diffs)
+            cause: Cause = "frozen_break_argument" if frozen else "baked_in_segment"
+            return _Finding(j, "arguments", x.name, diffs, cause)
+        diffs = _compare(x.outputs, y.outputs, atol, rtol)
+        if diffs:
+            frozen = any(d.shape is None for d in diffs)
+            return _Finding(
+                j, "outputs", x.name, diffs, "frozen_break_output" if frozen else "break_itself"
+            )
+    if len(a.calls) != len(b.calls):
+        j = min(len(a.calls), len(b.calls))
+        diff = TensorDiff(
+            "break calls", None, None,
+            f"eager made {len(a.calls)} break calls, replay {len(b.calls)}",
+        )  # fmt: skip
+        name = a.calls[j].name if j < len(a.calls) else b.calls[j].name
+        return _Finding(j, "sequence", name, (diff,), "break_sequence")
+    diffs = _compare(a.output, b.output, atol, rtol)
+    if diffs:
+        return _Finding(len(a.calls), "output", None, diffs, "baked_in_segment")
+    return None
+
+
+def _blame(found: _Finding, names: list[str]) -> tuple[int | None, str | None, str | None]:
+    """(segment numbered from 1, break before it, break after it) for a finding."""
+
+    def name(j: int) -> str | None:
+        return names[j] if 0 <= j < len(names) else None
+
+    if found.cause == "break_itself":
+        return None, None, found.name
+    # Arguments of call j (or the output, j == len(names)) come from the segment before it; a
+    # frozen output of call j is used by the segment after it.
+    j = found.call + 1 if found.part == "outputs" else found.call
+    return j + 1, name(j - 1), name(j)
+
+
+def _compare(
+    a: _Values, b: _Values, atol: float, rtol: float, call_paths: bool = False
+) -> tuple[TensorDiff, ...]:
+    root = "" if call_paths else "output"
+    paths = [_call_path(p) if call_paths else p for p in _trees.key_paths(a.spec, root)]
+    if a.spec != b.spec:
+        if not _trees.same_up_to_key_order(b.spec, a.spec):
+            where = str(_trees.difference(b.spec, a.spec, root=root))
+            where = _call_path(where) if call_paths else where
+            return (TensorDiff("structure", None, None, f"at replay {where} in eager"),)
+        by_path = dict(zip(_trees.key_paths(b.spec, root), b.leaves, strict=True))
+        other = [by_path[p] for p in _trees.key_paths(a.spec, root)]
+    else:
+        other = b.leaves
+    diffs = []
+    for path, x, y in zip(paths, a.leaves, other, strict=True):
+        diff = _leaf_diff(path, x, y, atol, rtol)
+        if diff is not None:
+            diffs.append(diff)
+    return tuple(diffs)
+
+
+def _call_path(path: str) -> str:
+    # A break's arguments are walked as (args, kwargs): "[0][1]" is args[1], "[1]['m']" kwargs.
+    return ("args" if path.startswith("[0]") else "kwargs") + path[3:]
+
+
+def _leaf_diff(path: str, x: Any, y: Any, atol: float, rtol: float) -> TensorDiff | None:
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        shape = tuple(x.shape)
+        if x.shape != y.shape or x.dtype != y.dtype:
+            what = f"eager {list(x.shape)} {x.dtype}, replay {list(y.shape)} {y.dtype}"
+            return TensorDiff(path, shape, None, what)
+        worst = _tensor_diff(x, y.to(x.device), atol, rtol)
+        if worst is None:
+            return None
+        return TensorDiff(path, shape, worst, f"max |eager - replay| = {worst:.4g}")
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return TensorDiff(path, None, None, f"eager {_short(x)}, replay {_short(y)}")
+    if _same_value(x, y):
+        return None
+    return TensorDiff(
+        path, None, None, f"eager {_short(x)}, replay {_short(y)} (frozen at capture)"
+    )
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    if x is y:
+        return True
+    try:
+        equal = x == y
+        if isinstance(equal, bool):
+            both_nan = isinstance(x, float) and isinstance(y, float) and x != x and y != y
+            return equal or both_nan
+    except Exception:
+        pass
+    return True  # values that cannot be compared (arrays, custom objects) are not judged
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {list(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _tensor_diff(x: torch.Tensor, y: torch.Tensor, atol: float, rtol: float) -> float | None:
+    """None when ``x`` and ``y`` (same shape and dtype) are equal — bitwise when atol and rtol
+    are 0, else within ``atol + rtol * |x|`` (NaNs equal) — else max |x - y|."""
+    if x.is_complex():
+        x, y = torch.view_as_real(x), torch.view_as_real(y)
+    if x.dtype is torch.bool:
+        x, y = x.to(torch.uint8), y.to(torch.uint8)
+    if atol == 0 and rtol == 0:
+        view = _INT_VIEWS.get(x.element_size())
+        equal = torch.equal(x.view(view), y.view(view)) if view else torch.equal(x, y)
+    else:
+        equal = bool(torch.isclose(y, x, rtol=rtol, atol=atol, equal_nan=True).all())
+    if equal:
+        return None
+    xd, yd = x.double(), y.double()
+    nan_x, nan_y = torch.isnan(xd), torch.isnan(yd)
+    gap = torch.where(nan_x & nan_y, 0.0, (xd - yd).abs())
+    gap = torch.where(nan_x ^ nan_y, math.inf, gap)
+    return float(torch.nan_to_num(gap, nan=math.inf).max()) if gap.numel() else 0.0
+
+
+# -- inputs --------------------------------------------------------------------------------------
+
+
+def _resolve(entry: InputSet) -> Call:
+    value = entry() if callable(entry) else entry
+    if (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], tuple)
+        and isinstance(value[1], dict)
+    ):
+        return value[0], dict(value[1])
+    if isinstance(value, tuple):
+        return value, {}
+    return (value,), {}
+
+
+def _pick_backend(backend: str | None, call: Call) -> str:
+    if backend is None:
+        cuda = any(t.is_cuda for t in _trees.tensor_leaves(call))
+        return "cuda" if cuda else "cpu"
+    if backend not in ("cpu", "cuda"):
+        raise ValueError(f"backend must be 'cpu', 'cuda' or None, got {backend!r}")
+    return backend
+
+
+def _check_same_shapes(sig0: Signature, call: Call, index: int) -> list[torch.Tensor]:
+    """The call's tensors in static-buffer order; ValueError if they cannot be copied into set
+    0's buffers (another structure, or another shape, dtype or device)."""
+    sig, live = signature_and_tensors(*call)
+    if sig[0] != sig0[0]:
+        where = _trees.difference(sig[0], sig0[0], root="call")
+        raise ValueError(
+            f"input set {index} has another structure than set 0 ({where} in set 0); every "
+            "set must have the same arguments, containers and keys"
+        )
+    mine, base = flatten_signature(sig), flatten_signature(sig0)
+    for path, key in mine.items():
+        if key[0] == "tensor" and key != base[path]:
+            raise ValueError(
+                f"input set {index}: {path} is a tensor {list(key[1])} {key[2]} on {key[3]} but "
+                f"{list(base[path][1])} {base[path][2]} on {base[path][3]} in set 0. The check "
+                "copies every set into set 0's static buffers, so shapes, dtypes and devices "
+                "must match: check each shape with its own input sets"
+            )
+    return live
+
+
+def _copy_into(statics: list[torch.Tensor], live: list[torch.Tensor]) -> None:
+    pairs = [(d, s) for d, s in zip(statics, live, strict=True) if d.data_ptr() != s.data_ptr()]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+
+def _restored_rng() -> AbstractContextManager[Any]:
+    # manual_seed reseeds every initialised CUDA device: restore them all afterwards.
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []  # type: ignore[no-untyped-call]
+    return torch.random.fork_rng(devices=devices)
+
+
+def _source_lines(graph: BreakableCUDAGraph, segment: int | None) -> tuple[str, ...]:
+    """The distinct user source lines of graph segment ``segment`` (CPU backend only)."""
+    if segment is None:
+        return ()
+    return tuple(dict.fromkeys(loc for seg in _segments_of(graph, segment) for loc in _locs(seg)))
+
+
+def _segments_of(graph: BreakableCUDAGraph, segment: int) -> Iterator[Any]:
+    number = 1
+    for step in graph._steps:
+        if isinstance(step, BreakStep):
+            number += 1
+        elif number == segment:
+            yield step.segment
+
+
+def _locs(segment: Any) -> tuple[str, ...]:
+    # Only CPU segments record locations (inside record_source_locations()).
+    found: tuple[str, ...] = getattr(segment, "source_locations", ())
+    return found
+
+
+def runner_divergence(
+    module: Callable[..., Any],
+    graph: BreakableCUDAGraph,
+    output: Any,
+    load: Callable[[], Call],
+    replay_context: Callable[[], AbstractContextManager[Any]] | None,
+) -> DivergenceReport:
+    """:meth:`BreakableGraphRunner.check_divergence` on one entry: its graph and capture-time
+    output, and ``load()``, which writes the call's inputs into the entry's static buffers and
+    returns the static call."""
+    with _restored_rng():
+        return compare_eager_and_replay(module, graph, output, load, replay_context=replay_context)

@@ -1,0 +1,161 @@
+"""The divergence check's report: where a replay first differs from eager, and the usual cause."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Status = Literal["ok", "diverged", "nondeterministic"]
+
+Cause = Literal[
+    "baked_in_segment",
+    "frozen_break_argument",
+    "frozen_break_output",
+    "break_sequence",
+    "break_itself",
+]
+
+_CAUSES: dict[str, tuple[str, str]] = {
+    "baked_in_segment": (
+        "a value read on the host was baked into this segment at capture: a Python number "
+        "from .item()/float()/int() taken before the segment, a Python list turned into a "
+        "tensor (torch.tensor(lengths)), a slice or mask built from Python ints, or host "
+        "metadata (sequence lengths, block ids, an adapter index) that no break received",
+        "move the code that uses the host value into an @eager_on_graph break (it runs "
+        "eagerly at every replay), or pass the value as a tensor input whose contents change",
+    ),
+    "frozen_break_argument": (
+        "a break received a non-tensor argument (a Python number or list, or an attribute of "
+        "an object argument) that differs from capture: at replay a break is re-run with the "
+        "arguments it was captured with",
+        "pass the value as a tensor (updated in place), or keep it in an object that is the "
+        "same object at every step and updated in place",
+    ),
+    "frozen_break_output": (
+        "a break returned a non-tensor value (a Python number from .item(), a list) that "
+        "differs from capture: code after a break keeps the capture-time value",
+        "return a tensor instead (it is copied into the next segment at every replay), or move "
+        "the code that uses the value into the break",
+    ),
+    "break_sequence": (
+        "eager called other breaks than the captured graph runs: Python control flow chose "
+        "another path (an if/for on a host value) before this point",
+        "capture one graph per path (e.g. a BreakableGraphRunner keyed on the value), or move "
+        "the branch into an @eager_on_graph break",
+    ),
+    "break_itself": (
+        "a break returned different tensors from identical inputs: it reads state that is not "
+        "among its arguments, or it is nondeterministic",
+        "pass that state to the break as an argument",
+    ),
+}
+
+_SHOWN = 8
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """One value that differs between the eager run and the replay.
+
+    ``path`` names it (``args[0]``, ``kwargs['mask']``, ``output['h']``, ``output[1]``);
+    ``shape`` is the eager tensor's shape (None for a non-tensor value); ``max_abs_diff`` is the
+    largest ``|eager - replay|`` (``inf`` where only one side is NaN; None when the types,
+    shapes or dtypes differ, or for non-tensors); ``detail`` says what differs in words.
+    """
+
+    path: str
+    shape: tuple[int, ...] | None
+    max_abs_diff: float | None
+    detail: str
+
+
+@dataclass(frozen=True)
+class DivergenceReport:
+    """The outcome of :func:`bcg_core.check_divergence` (and of the runner's check_divergence).
+
+    ``status`` is ``"ok"`` (replay equals eager for every input set, break by break),
+    ``"diverged"`` (the first difference is described below) or ``"nondeterministic"`` (two
+    eager runs from the same seed already differ there, so no divergence can be judged; use a
+    tolerance or deterministic algorithms). ``ok`` is ``status == "ok"``.
+
+    On a difference: ``input_set`` is the index (into the given inputs) of the set that exposed
+    it; ``observed_at`` where it was seen (the inputs or outputs of a break call, or the step's
+    output); ``segment`` the graph segment blamed, numbered from 1 as in capture errors (segment
+    ``k`` runs after the ``k-1``-th break call and before the ``k``-th; None when a break itself
+    is blamed); ``break_before``/``break_after`` the names of the break calls around it (None at
+    the start and at the output); ``cause`` the kind of mistake that usually produces it; ``diffs``
+    the values that differ; ``source_lines`` the user source lines of the segment's operations
+    (CPU backend only, else empty). ``segments``/``breaks`` describe the captured graph.
+    """
+
+    status: Status
+    backend: str
+    input_sets: int
+    segments: int
+    breaks: int
+    input_set: int | None = None
+    observed_at: str | None = None
+    segment: int | None = None
+    break_before: str | None = None
+    break_after: str | None = None
+    cause: Cause | None = None
+    diffs: tuple[TensorDiff, ...] = ()
+    source_lines: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def __str__(self) -> str:
+        head = (
+            f"bcg divergence check ({self.backend} backend, {self.input_sets} input sets, "
+            f"{self.segments} graph segments, {self.breaks} break calls)"
+        )
+        if self.status == "ok":
+            return f"{head}: ok, replay equals eager at every break and at the output"
+        lines = [f"{head}: {_VERDICT[self.status]}"]
+        lines.append(f"  input set {self.input_set} (set 0 was captured), at {self.observed_at}")
+        if self.status == "diverged":
+            lines.append(f"  {self._where()}")
+        lines.append("  values that differ (eager vs replay):" if self.diffs else "")
+        for d in self.diffs[:_SHOWN]:
+            shape = "" if d.shape is None else f" shape {tuple(d.shape)}"
+            lines.append(f"    {d.path}{shape}: {d.detail}")
+        if len(self.diffs) > _SHOWN:
+            lines.append(f"    ... and {len(self.diffs) - _SHOWN} more")
+        if self.source_lines:
+            lines.append(f"  source lines of segment {self.segment} (CPU recorder):")
+            lines += [f"    {loc}" for loc in self.source_lines[: _SHOWN * 2]]
+            if len(self.source_lines) > _SHOWN * 2:
+                lines.append(f"    ... and {len(self.source_lines) - _SHOWN * 2} more")
+        if self.status == "nondeterministic":
+            lines.append(
+                "  eager itself is not reproducible from a fixed seed here, so replay cannot be "
+                "judged: pass atol/rtol, or enable torch.use_deterministic_algorithms(True)"
+            )
+        elif self.cause is not None:
+            why, fix = _CAUSES[self.cause]
+            lines.append(f"  likely cause: {why}")
+            lines.append(f"  fix: {fix}")
+        return "\n".join(line for line in lines if line)
+
+    def _where(self) -> str:
+        if self.segment is None:
+            return f"blamed: the break {self.break_after!r} itself, not a graph segment"
+        before = (
+            f"after break {self.break_before!r} (call {self.segment - 1})"
+            if self.break_before is not None
+            else "from the start of the step"
+        )
+        after = (
+            f"before break {self.break_after!r} (call {self.segment})"
+            if self.break_after is not None
+            else "to the step's output"
+        )
+        return f"diverging graph segment {self.segment}: {before}, {after}"
+
+
+_VERDICT = {
+    "diverged": "REPLAY DIFFERS FROM EAGER",
+    "nondeterministic": "EAGER IS NOT REPRODUCIBLE",
+}
