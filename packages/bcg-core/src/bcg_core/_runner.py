@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
@@ -49,7 +50,8 @@ class EntryStats:
     """One captured signature: graph segments launched per replay, breaks run per replay, the
     bytes its (shared) pool held right after this capture (None where the backend cannot
     tell), replays so far, how many times :meth:`BreakableGraphRunner.capture` ran the step
-    for it (warm-ups + the capture), and the pool it was captured into."""
+    for it (warm-ups + the capture), the pool it was captured into, and the wall time of the
+    capture itself in ms (warm-ups excluded; the capture stream synchronised at its end)."""
 
     signature: Signature
     segments: int
@@ -58,6 +60,7 @@ class EntryStats:
     replays: int
     capture_runs: int
     pool: Any
+    capture_ms: float
 
 
 @dataclass(frozen=True)
@@ -329,6 +332,7 @@ class BreakableGraphRunner:
                     e.replays,
                     e.capture_runs,
                     e.graph.pool(),
+                    e.capture_ms,
                 )
                 for sig, e in self._entries.items()
             )
@@ -401,8 +405,12 @@ class BreakableGraphRunner:
             with backend.stream_context(side), enable_breakable_cuda_graph():
                 for _ in range(self.warmup_iters):
                     self.module(*static_args, **static_kwargs)
+            backend.synchronize((side,))  # start-up only: the capture's own time is reported
+            started = time.perf_counter()
             with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph, stream=side):
                 output = self.module(*static_args, **static_kwargs)
+            backend.synchronize((side,))
+            capture_ms = (time.perf_counter() - started) * 1e3
         except Exception as exc:
             current.wait_stream(side)  # before the static buffers are freed
             return self._capture_failed(sig, graph, exc, call)
@@ -424,6 +432,7 @@ class BreakableGraphRunner:
             static_call=(static_args, static_kwargs),
             keep_alive=identity_objects(*call),
             capture_runs=self.warmup_iters + 1,
+            capture_ms=capture_ms,
             pool_bytes=graph.pool_bytes(),
         )
         self._counts["captures"] += 1

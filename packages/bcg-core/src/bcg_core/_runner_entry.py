@@ -41,6 +41,7 @@ class Entry:
     static_call: tuple[tuple[Any, ...], dict[str, Any]]
     keep_alive: list[Any]
     capture_runs: int
+    capture_ms: float
     pool_bytes: int | None
     replays: int = 0
     _copy: tuple[int, ...] = field(init=False)

@@ -59,12 +59,12 @@ def dit_workload(ctx: BenchContext) -> list[Measurement]:
     runner = DiTRunner(model, attention_classes=(DiTSelfAttention,), device=ctx.device)
     try:
         with torch.no_grad():
-            _, ms = ctx.timed(lambda: runner.capture(latents, t, text))
+            runner.capture(latents, t, text)
             entry = runner.stats.entries[0] if runner.stats.entries else None
             bcg = Contender(
                 "bcg",
                 lambda: runner(latents, t, text),
-                capture_ms=ms,
+                capture_ms=None if entry is None else entry.capture_ms,  # warm-ups excluded
                 pool_mb=None
                 if entry is None or entry.pool_bytes is None
                 else entry.pool_bytes / 2**20,
