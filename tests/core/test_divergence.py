@@ -38,7 +38,8 @@ def _line_of(marker: str) -> str:
 def _sets(n: int = 3, *shape: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
     return [
-        torch.randn(shape or (2, 8), generator=gen).to(torch.get_default_device()) for _ in range(n)
+        torch.randn(shape or (2, 8), generator=gen, device="cpu").to(torch.get_default_device())
+        for _ in range(n)
     ]
 
 
@@ -179,8 +180,10 @@ def _varlen_sets() -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
     dev = torch.get_default_device()
     out = []
     for lengths in ([5, 3], [5, 3], [2, 8]):
-        q, kv = (torch.randn(2, 2, 1, 4, generator=gen).to(dev) for _ in range(2))
-        out.append((q, torch.randn(2, 2, 8, 4, generator=gen).to(dev) + kv.mean(), lengths))
+        q, kv = (torch.randn(2, 2, 1, 4, generator=gen, device="cpu").to(dev) for _ in range(2))
+        out.append(
+            (q, torch.randn(2, 2, 8, 4, generator=gen, device="cpu").to(dev) + kv.mean(), lengths)
+        )
     return out
 
 

@@ -115,11 +115,11 @@ def _rebuild(obj: Any, kind: str, context: Any, children: list[Any]) -> Any:
 
 def _context_key(context: Any) -> Hashable:
     """A hashable, comparable form of a node's context (lists become tuples)."""
-    if isinstance(context, (list, tuple)) and not pytree.is_namedtuple_instance(context):
-        return tuple(_context_key(c) for c in context)
     try:
-        hash(context)
+        hash(context)  # attribute and field names, None: the common cases, as they are
     except TypeError:
+        if isinstance(context, (list, tuple)):
+            return tuple(_context_key(c) for c in context)
         return repr(context)
     key: Hashable = context
     return key
