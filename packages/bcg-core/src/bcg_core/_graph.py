@@ -130,6 +130,7 @@ class BreakableCUDAGraph:
         self._dropped: tuple[Segment, ...] = ()
         self._plan: tuple[Callable[[], Any], ...] = ()
         self._backend: GraphBackend = backend_for(backend)
+        self._backend.prepare()
         self._pool = pool
         self._owns_pool = pool is None
         self._state = _State.EMPTY

@@ -213,6 +213,9 @@ class CpuBackend:
     def is_available(self) -> bool:
         return True
 
+    def prepare(self) -> None:
+        """Nothing is loaded lazily."""
+
     def check_available(self) -> None:
         """Always available."""
 

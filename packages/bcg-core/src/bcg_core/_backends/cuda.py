@@ -97,6 +97,10 @@ class CudaBackend:
     def is_available(self) -> bool:
         return torch.cuda.is_available()
 
+    def prepare(self) -> None:
+        if torch.cuda.is_available():
+            RUNTIME.module()
+
     def check_available(self) -> None:
         if not torch.cuda.is_available():
             raise CaptureError(
