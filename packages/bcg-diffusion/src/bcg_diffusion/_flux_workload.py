@@ -26,7 +26,7 @@ from bcg_core.bench import (
     Measurement,
     compile_contender,
     full_graph_contender,
-    replay_check,
+    runner_contender,
 )
 from bcg_diffusion._diffusers import make_attention_ops_breakable
 from bcg_diffusion._runner import DiTRunner
@@ -95,27 +95,12 @@ def flux_workload(ctx: BenchContext) -> list[Measurement]:
         return_views=True,
     )
 
-    def make_bcg() -> Contender:
-        runner.capture()
-        if not runner.stats.entries:
-            return Contender("bcg", None, skipped=f"capture failed: {runner.blocked_signatures}")
-        entry = runner.stats.entries[0]
-        return Contender(
-            "bcg",
-            runner,
-            capture_ms=entry.capture_ms,  # the capture alone, as for full_graph
-            pool_mb=None if entry.pool_bytes is None else entry.pool_bytes / 2**20,
-            segments=entry.segments,
-            keep_alive=step,
-            check=replay_check(ctx, runner, step),
-        )
-
     try:
         with torch.no_grad():
             contenders = [
                 Contender("eager", step),
                 ctx.build("full_graph", lambda: full_graph_contender(ctx, step, step)),
-                ctx.build("bcg", make_bcg),
+                ctx.build("bcg", lambda: runner_contender(ctx, runner, step)),
                 ctx.build(
                     "torch.compile",
                     lambda: compile_contender(ctx, step, step, exact_output),

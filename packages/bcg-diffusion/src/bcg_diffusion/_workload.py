@@ -18,7 +18,7 @@ from bcg_core.bench import (
     Measurement,
     compile_contender,
     full_graph_contender,
-    replay_check,
+    runner_contender,
 )
 from bcg_diffusion._runner import DiTRunner
 from bcg_diffusion._toy_dit import DiTConfig, DiTSelfAttention, ToyDiT
@@ -59,23 +59,10 @@ def dit_workload(ctx: BenchContext) -> list[Measurement]:
     runner = DiTRunner(model, attention_classes=(DiTSelfAttention,), device=ctx.device)
     try:
         with torch.no_grad():
-            runner.capture(latents, t, text)
-            entry = runner.stats.entries[0] if runner.stats.entries else None
-            bcg = Contender(
-                "bcg",
-                lambda: runner(latents, t, text),
-                capture_ms=None if entry is None else entry.capture_ms,  # warm-ups excluded
-                pool_mb=None
-                if entry is None or entry.pool_bytes is None
-                else entry.pool_bytes / 2**20,
-                segments=None if entry is None else entry.segments,
-                # After timing: one more replay against a fresh eager step.
-                check=replay_check(ctx, lambda: runner(latents, t, text), step),
-            )
             contenders = [
                 Contender("eager", step),
                 ctx.build("full_graph", lambda: full_graph_contender(ctx, step, step)),
-                bcg,
+                ctx.build("bcg", lambda: runner_contender(ctx, runner, step, latents, t, text)),
                 ctx.build(
                     "torch.compile",
                     lambda: compile_contender(ctx, compiled_step, step, exact_output),

@@ -18,6 +18,7 @@ from bcg_core.bench._workloads import (
     compile_contender,
     full_graph_contender,
     replay_check,
+    runner_contender,
 )
 
 __all__ = [
@@ -36,5 +37,6 @@ __all__ = [
     "full_graph_contender",
     "main",
     "replay_check",
+    "runner_contender",
     "tiny_config",
 ]

@@ -29,7 +29,7 @@ from bcg_core.bench._workloads import (
     COMPILE,
     compile_contender,
     full_graph_contender,
-    replay_check,
+    runner_contender,
 )
 
 WORKLOAD = "hf-llama"
@@ -96,23 +96,6 @@ def _case(
         step = _decode_step(transformers, model, batch, context)
         runner = BreakableGraphRunner(step, device=ctx.device, return_views=True)
 
-        def make_bcg() -> Contender:
-            runner.capture()
-            if not runner.stats.entries:
-                return Contender(
-                    "bcg", None, skipped=f"capture failed: {runner.blocked_signatures}"
-                )
-            entry = runner.stats.entries[0]
-            return Contender(
-                "bcg",
-                runner,
-                capture_ms=entry.capture_ms,  # the capture alone, as for full_graph
-                pool_mb=None if entry.pool_bytes is None else entry.pool_bytes / 2**20,
-                segments=entry.segments,
-                keep_alive=step,
-                check=replay_check(ctx, runner, step),
-            )
-
         def make_compile() -> Contender:
             plain = copy.deepcopy(model)
             plain.set_attn_implementation("sdpa")
@@ -127,7 +110,7 @@ def _case(
         contenders = [
             Contender(EAGER, step),
             ctx.build(FULL_GRAPH, lambda: full_graph_contender(ctx, step, step)),
-            ctx.build("bcg", make_bcg),
+            ctx.build("bcg", lambda: runner_contender(ctx, runner, step)),
             ctx.build(COMPILE, make_compile),
         ]
         try:

@@ -18,6 +18,7 @@ import torch
 from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
+    BreakableGraphRunner,
     eager_on_graph,
     enable_breakable_cuda_graph,
 )
@@ -79,6 +80,37 @@ def _warm(fn: Callable[[], object], device: torch.device, iters: int = 2) -> Non
 
 
 Reference = torch.Tensor | Callable[[], torch.Tensor]
+
+
+def runner_contender(
+    ctx: BenchContext,
+    runner: BreakableGraphRunner,
+    step: Callable[[], torch.Tensor],
+    *args: Any,
+    **kwargs: Any,
+) -> Contender:
+    """The ``bcg`` contender of a runner-based workload: ``runner.capture(*args, **kwargs)``,
+    then every timed step is ``runner(*args, **kwargs)``; capture ms are the capture alone
+    (warm-ups excluded, as for ``full_graph``), and after timing one more call must equal the
+    eager ``step()`` bitwise. Skipped, with the reason, when the capture failed."""
+    runner.capture(*args, **kwargs)
+    if not runner.stats.entries:
+        return Contender("bcg", None, skipped=f"capture failed: {runner.blocked_signatures}")
+    entry = runner.stats.entries[0]
+
+    def call() -> torch.Tensor:
+        out: torch.Tensor = runner(*args, **kwargs)
+        return out
+
+    return Contender(
+        "bcg",
+        call,
+        capture_ms=entry.capture_ms,
+        pool_mb=None if entry.pool_bytes is None else entry.pool_bytes / 2**20,
+        segments=entry.segments,
+        keep_alive=step,
+        check=replay_check(ctx, call, step),
+    )
 
 
 def replay_check(
