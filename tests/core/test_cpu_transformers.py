@@ -2,9 +2,10 @@
 BreakableGraphRunner on the CPU graph backend, with bcg_core.breakable_attention.
 
 The recipe for the stateful cache: a StaticCache advances its position (a tensor inside the
-cache) in place on every forward, in the graph too. ``runner.capture()`` runs the step several
-times (`warmup_iters` warm-ups, then the capture), so the cache tensors are saved before the capture and
-copied back in place after it (in place: the graph reads those addresses). The eager reference
+cache) in place on every forward, in the graph too. ``runner.capture()`` runs the step
+``warmup_iters + 1`` times (warm-ups, then the capture), so the cache tensors are saved before
+the capture and copied back in place after it (in place: the graph reads those addresses). The
+eager reference
 steps its own cache, prefilled with the same prompt.
 """
 
