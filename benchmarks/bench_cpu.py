@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
-import platform
 import statistics
 import sys
 import time
@@ -33,11 +31,8 @@ from typing import Any
 
 import torch
 
-import bcg_core
 from bcg_core import BreakableCUDAGraph, BreakableCUDAGraphCapture, enable_breakable_cuda_graph
-
-# The toy decoder is a private module of bcg_core, kept out of the public API on purpose.
-from bcg_core.bench import ToyDecoder, tiny_config
+from bcg_core.bench import ToyDecoder, environment, tiny_config
 
 TARGET = 2.0
 BATCH = 1
@@ -128,17 +123,6 @@ def bench(repeats: int, steps: int) -> dict[str, Any]:
     }
 
 
-def _environment() -> dict[str, Any]:
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": platform.processor() or platform.machine(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "bcg_core": bcg_core.__version__,
-        "python": platform.python_version(),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, required=True, help="folder for bench_cpu.json")
@@ -149,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("use --repeats >= 20 and --steps >= 1")
     with torch.no_grad():
         result = bench(args.repeats, args.steps)
-    report = {"environment": _environment(), "decoder": result}
+    report = {"environment": environment(), "decoder": result}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_cpu.json"
     path.write_text(json.dumps(report, indent=2) + "\n")

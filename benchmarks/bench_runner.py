@@ -27,10 +27,8 @@ Writes ``DIR/bench_runner-<device>.json`` and prints one line. Needs only torch 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import platform
 import statistics
 import sys
 import time
@@ -40,14 +38,13 @@ from typing import Any
 
 import torch
 
-import bcg_core
 from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
     BreakableGraphRunner,
     enable_breakable_cuda_graph,
 )
-from bcg_core.bench import DecoderConfig, ToyDecoder, bench_config, tiny_config
+from bcg_core.bench import DecoderConfig, ToyDecoder, bench_config, environment, tiny_config
 
 TARGET_US = 25.0
 BATCH = 1
@@ -147,18 +144,6 @@ def bench(device: torch.device, config: str, repeats: int, steps: int) -> dict[s
     }
 
 
-def _environment(device: torch.device) -> dict[str, Any]:
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "cpu": platform.processor() or platform.machine(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "bcg_core": bcg_core.__version__,
-        "python": platform.python_version(),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON file")
@@ -173,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     with torch.no_grad():
         result = bench(device, args.config, args.repeats, args.steps)
-    report = {"environment": _environment(device), "runner": result}
+    report = {"environment": environment(), "runner": result}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"bench_runner-{device.type}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")

@@ -28,11 +28,14 @@ COLUMNS = (
 
 
 def environment() -> dict[str, Any]:
-    """Date, machine, torch, CUDA, GPU and driver (what every result file records)."""
+    """Date, host CPU and torch threads, torch, CUDA, GPU and driver (what every result file
+    records)."""
     env: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "bcg_core": __version__,
         "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
