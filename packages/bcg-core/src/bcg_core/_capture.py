@@ -345,6 +345,10 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
             # Work left on the capturing stream by the block is ordered before the caller's
             # next work, so outputs of a faithful capture can be read on the caller's stream.
             stack.callback(caller.wait_stream, stream)
+            # The segments' library workspaces (cuBLAS) must live in the pool, for as long as
+            # the graph: see GraphBackend.release_library_workspaces.
+            backend.release_library_workspaces()
+            stack.callback(backend.release_library_workspaces)
             state = CaptureState(
                 backend,
                 stream,

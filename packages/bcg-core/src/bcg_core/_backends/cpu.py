@@ -216,6 +216,9 @@ class CpuBackend:
     def prepare(self) -> None:
         """Nothing is loaded lazily."""
 
+    def release_library_workspaces(self) -> None:
+        """No library caches a workspace whose address a recording keeps."""
+
     def check_available(self) -> None:
         """Always available."""
 

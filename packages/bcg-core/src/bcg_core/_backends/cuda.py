@@ -101,6 +101,13 @@ class CudaBackend:
         if torch.cuda.is_available():
             RUNTIME.module()
 
+    def release_library_workspaces(self) -> None:
+        # torch has no per-stream clear in Python; clearing every stream's workspace is what
+        # torch.compile's cudagraph trees do around each recording. Eager work re-creates them.
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+
     def check_available(self) -> None:
         if not torch.cuda.is_available():
             raise CaptureError(

@@ -104,6 +104,16 @@ class GraphBackend(Protocol):
         (the CUDA runtime bindings: about 130 ms on an H200 host), so capture time is capture."""
         ...
 
+    def release_library_workspaces(self) -> None:
+        """Drop the scratch workspaces device libraries cache per stream (cuBLAS), at the start
+        and the end of every capture. The capture's first library call then allocates its own
+        workspace inside the graph's pool, which lives as long as the graph: a workspace made
+        by eager work outside the pool is freed whenever anyone clears the cache (torch.compile's
+        cudagraph trees do at each recording, a torch graph's destructor does for its stream),
+        and segments that baked its address would then fault or write into someone else's
+        memory. Clearing at the end keeps later eager work off the graph's workspace."""
+        ...
+
     def new_segment(self) -> Segment: ...
 
     def new_pool(self) -> Any: ...

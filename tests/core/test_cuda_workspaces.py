@@ -1,0 +1,111 @@
+"""A captured graph keeps working when torch clears cuBLAS's cached workspaces.
+
+cuBLAS kernels captured in a segment bake the address of their stream's workspace. torch frees
+those workspaces whenever anyone clears them: torch.compile's cudagraph trees around every
+recording, a torch graph's destructor for its own capture stream. A workspace created by eager
+work before the capture (warm-ups on the capturing stream) is then freed memory the graph still
+writes at every replay: an illegal address once the allocator returns it to the driver, or
+silent writes into whatever tensor reuses it. Each test frees the memory, refills it with NaN
+and checks the replay's output and the refilled memory.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    BreakableGraphRunner,
+    eager_on_graph,
+    enable_breakable_cuda_graph,
+)
+
+pytestmark = pytest.mark.cuda
+
+HIDDEN = 4096
+
+
+@eager_on_graph
+def _eager_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w
+
+
+def _weights() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(HIDDEN, HIDDEN, generator=gen) / HIDDEN**0.5).to("cuda", torch.bfloat16)
+        for _ in range(3)
+    ]
+
+
+def _forward(x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
+    # Small M, large K: the shapes of decode GEMMs, where cuBLAS uses its workspace (split-K).
+    h = torch.relu(x @ w[0])
+    h = _eager_matmul(h, w[1])
+    return torch.tanh(h @ w[2])
+
+
+def _free_and_refill() -> list[torch.Tensor]:
+    """Clear every cuBLAS workspace (what cudagraph trees do), hand freed memory back to the
+    driver, then take as much memory as the freed workspaces were, filled with NaN."""
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [torch.full((16 << 20,), float("nan"), device="cuda") for _ in range(8)]
+
+
+def _untouched(junk: list[torch.Tensor]) -> bool:
+    torch.cuda.synchronize()
+    return all(bool(t.isnan().all()) for t in junk)
+
+
+def _inputs(batch: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(batch)
+    return torch.randn(batch, HIDDEN, generator=gen).to("cuda", torch.bfloat16)
+
+
+def test_replay_survives_a_workspace_clear_after_warmup_on_the_capture_stream() -> None:
+    w = _weights()
+    x = _inputs(8)
+    with torch.no_grad():
+        expected = _forward(x, w).clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), enable_breakable_cuda_graph():
+            for _ in range(2):  # warm-ups create the stream's workspace outside any pool
+                _forward(x, w)
+        graph = BreakableCUDAGraph()
+        with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph, stream=stream):
+            out = _forward(x, w)
+        junk = _free_and_refill()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+        assert _untouched(junk), "a replay wrote into memory the graph no longer owns"
+
+
+def test_runner_entries_survive_workspace_clears_and_a_reset_runner() -> None:
+    """Two runners capture on the same per-thread stream; one is reset (its graphs destroyed),
+    the workspaces are cleared; the other still replays right and writes nothing foreign."""
+    w = _weights()
+    with torch.no_grad(), enable_breakable_cuda_graph():
+        first = BreakableGraphRunner(lambda x: _forward(x, w), device="cuda")
+        second = BreakableGraphRunner(lambda x: _forward(x, w), device="cuda")
+        inputs = {b: _inputs(b) for b in (1, 8)}
+        expected = {b: _forward(x, w).clone() for b, x in inputs.items()}
+        for x in inputs.values():
+            first.capture(x)
+            second.capture(x)
+        first.reset()
+        junk = _free_and_refill()
+        for _ in range(2):
+            for b, x in inputs.items():
+                assert torch.equal(second(x), expected[b]), f"batch {b}"
+        assert _untouched(junk), "a replay wrote into memory the graph no longer owns"
+        second.reset()
