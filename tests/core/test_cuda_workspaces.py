@@ -69,18 +69,15 @@ def _inputs(batch: int) -> torch.Tensor:
     return torch.randn(batch, HIDDEN, generator=gen).to("cuda", torch.bfloat16)
 
 
-def test_replay_survives_a_workspace_clear_after_warmup_on_the_capture_stream() -> None:
+def test_graph_survives_a_workspace_clear_after_warmups() -> None:
     w = _weights()
     x = _inputs(8)
-    with torch.no_grad():
+    with torch.no_grad(), enable_breakable_cuda_graph():
         expected = _forward(x, w).clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), enable_breakable_cuda_graph():
-            for _ in range(2):  # warm-ups create the stream's workspace outside any pool
-                _forward(x, w)
+        for _ in range(2):  # warm-ups on the caller's stream, as a user writes them
+            _forward(x, w)
         graph = BreakableCUDAGraph()
-        with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph, stream=stream):
+        with BreakableCUDAGraphCapture(graph):
             out = _forward(x, w)
         junk = _free_and_refill()
         for _ in range(3):
@@ -88,6 +85,35 @@ def test_replay_survives_a_workspace_clear_after_warmup_on_the_capture_stream() 
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
         assert _untouched(junk), "a replay wrote into memory the graph no longer owns"
+
+
+def test_a_capture_leaves_other_graphs_workspaces_alone() -> None:
+    """A plain torch graph whose workspace lies outside any pool (warmed up on its own capture
+    stream) keeps it across a breakable capture: bcg clears no workspace."""
+    w = _weights()
+    x = _inputs(8)
+    with torch.no_grad():
+        expected = _forward(x, w).clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            _forward(x, w)
+        plain = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(plain, stream=stream):
+            plain_out = _forward(x, w)
+        with enable_breakable_cuda_graph():
+            graph = BreakableCUDAGraph()
+            with BreakableCUDAGraphCapture(graph):
+                out = _forward(x, w)
+        gc.collect()
+        torch.cuda.empty_cache()
+        junk = [torch.full((16 << 20,), float("nan"), device="cuda") for _ in range(8)]
+        plain.replay()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(plain_out, expected)
+        assert torch.equal(out, expected)
+        assert _untouched(junk)
 
 
 def test_runner_entries_survive_workspace_clears_and_a_reset_runner() -> None:

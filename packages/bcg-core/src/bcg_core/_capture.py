@@ -214,30 +214,23 @@ class CaptureState:
         return output
 
 
-_thread_streams = threading.local()
-
-
-def _default_stream(backend: GraphBackend) -> Any:
-    """One capture stream per thread, backend and device, reused by every capture: a new stream
-    per capture would make cuBLAS allocate (and keep) a new workspace for each of them."""
-    cache: dict[tuple[str, Any], Any] = _thread_streams.__dict__.setdefault("streams", {})
-    key = (backend.name, backend.current_stream().device)
-    if key not in cache:
-        cache[key] = backend.new_stream()
-    return cache[key]
-
-
 class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCapture"]):
     """Capture the enclosed code into ``cuda_graph`` as segments split at break points.
 
-    Like ``torch.cuda.graph``: work runs on ``stream`` (when None, a side stream kept per thread
-    and device and reused by later captures) inside the block, allocations come from the
-    graph's pool (``pool`` overrides it), and
-    ``capture_error_mode`` ("global", "thread_local" or "relaxed") is passed to every segment.
-    ``barrier_fn`` runs before each break at capture, never at replay (e.g. a process-group
-    barrier so all ranks reach a collective break together). With ``auto_join`` a side stream
-    forked from the capturing stream and not joined is joined before its segment ends; without
-    it the capture fails with :class:`UnjoinedStreamError` naming the stream.
+    Like ``torch.cuda.graph``: work runs on ``stream`` inside the block, allocations come from
+    the graph's pool (``pool`` overrides it), and ``capture_error_mode`` ("global",
+    "thread_local" or "relaxed") is passed to every segment. ``barrier_fn`` runs before each
+    break at capture, never at replay (e.g. a process-group barrier so all ranks reach a
+    collective break together). With ``auto_join`` a side stream forked from the capturing
+    stream and not joined is joined before its segment ends; without it the capture fails with
+    :class:`UnjoinedStreamError` naming the stream.
+
+    ``stream=None`` (the default) captures on the pool's own stream, which only captures into
+    that pool use. Captured cuBLAS kernels bake the address of their stream's cached workspace;
+    on that stream it is first allocated inside a capture, so it lives in the pool. A stream of
+    your own that ran eager cuBLAS work (warm-ups) has its workspace outside the pool, and
+    anyone clearing cuBLAS workspaces (torch.compile's cudagraph trees do at every recording)
+    frees memory the graph still writes at every replay: warm up on another stream.
 
     ``faithful`` (default True): each segment is launched once on the capturing stream right
     after its capture ends, before the next break runs. Breaks then see the values an eager step
@@ -326,13 +319,15 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
             )
         backend = self.cuda_graph._backend_impl
         backend.check_available()
-        stream = self._stream if self._stream is not None else _default_stream(backend)
+        pool = self._pool if self._pool is not None else self.cuda_graph.pool()
+        stream = self._stream
+        if stream is None:
+            stream = backend.capture_stream(pool, backend.current_stream().device)
         if backend.capture_info(stream).status is not CaptureStatus.NONE:
             raise CaptureError(
                 f"stream {stream!r} is already capturing (inside torch.cuda.graph?); "
                 "a breakable capture must start outside any other capture"
             )
-        pool = self._pool if self._pool is not None else self.cuda_graph.pool()
         self.cuda_graph._begin_capture()
         stack = ExitStack()
         try:
@@ -345,10 +340,6 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
             # Work left on the capturing stream by the block is ordered before the caller's
             # next work, so outputs of a faithful capture can be read on the caller's stream.
             stack.callback(caller.wait_stream, stream)
-            # The segments' library workspaces (cuBLAS) must live in the pool, for as long as
-            # the graph: see GraphBackend.release_library_workspaces.
-            backend.release_library_workspaces()
-            stack.callback(backend.release_library_workspaces)
             state = CaptureState(
                 backend,
                 stream,

@@ -227,8 +227,8 @@ def compare_eager_and_replay(
 def _capture(
     graph: BreakableCUDAGraph, fn: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]
 ) -> Any:
-    """Warm up once on a side stream (library handles, lazy state), then capture on it, as
-    the runner does; CPU segments record their source lines."""
+    """Warm up once on a side stream (library handles, lazy state), then capture after it on
+    the pool's stream, as the runner does; CPU segments record their source lines."""
     backend = backend_for(graph.backend)
     side = backend.new_stream()
     side.wait_stream(backend.current_stream())
@@ -236,12 +236,14 @@ def _capture(
         fn(*args, **kw)
     backend.current_stream().wait_stream(side)
     with (
+        backend.stream_context(side),
         record_source_locations(),
         enable_breakable_cuda_graph(),
-        BreakableCUDAGraphCapture(graph, stream=side),
+        BreakableCUDAGraphCapture(graph),
     ):
         output = fn(*args, **kw)
-    # Breaks ran for real on the side stream at capture; eager runs on the current stream.
+    # Breaks ran for real at capture (the side stream waits for them); eager runs on the
+    # current stream.
     backend.current_stream().wait_stream(side)
     return output
 

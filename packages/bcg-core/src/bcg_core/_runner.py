@@ -282,8 +282,9 @@ class BreakableGraphRunner:
 
     @property
     def stream(self) -> Any:
-        """The stream warm-ups and captures run on: one per runner, made on first use and
-        reused (each new stream costs a cuBLAS workspace that is never returned)."""
+        """The stream warm-ups run on (one per runner, made on first use and reused: each
+        stream that runs cuBLAS work keeps a workspace). Captures then run on the pool's own
+        stream, ordered after it (see :class:`BreakableCUDAGraphCapture`)."""
         with self._lock:
             if self._side is None:
                 self._side = self._graph_backend.new_stream(self.device)
@@ -407,7 +408,14 @@ class BreakableGraphRunner:
                     self.module(*static_args, **static_kwargs)
             backend.synchronize((side,))  # start-up only: the capture's own time is reported
             started = time.perf_counter()
-            with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph, stream=side):
+            # The capture runs on the pool's own stream, after the warm-ups (see
+            # BreakableCUDAGraphCapture: the workspace cuBLAS caches per stream must not be
+            # one the warm-ups made outside the pool).
+            with (
+                backend.stream_context(side),
+                enable_breakable_cuda_graph(),
+                BreakableCUDAGraphCapture(graph),
+            ):
                 output = self.module(*static_args, **static_kwargs)
             backend.synchronize((side,))
             capture_ms = (time.perf_counter() - started) * 1e3

@@ -216,8 +216,9 @@ class CpuBackend:
     def prepare(self) -> None:
         """Nothing is loaded lazily."""
 
-    def release_library_workspaces(self) -> None:
-        """No library caches a workspace whose address a recording keeps."""
+    def capture_stream(self, pool: Any, device: Any) -> CpuStream:
+        """A new stream per capture: no CPU library caches memory per stream."""
+        return CpuStream()
 
     def check_available(self) -> None:
         """Always available."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -101,12 +102,15 @@ class CudaBackend:
         if torch.cuda.is_available():
             RUNTIME.module()
 
-    def release_library_workspaces(self) -> None:
-        # torch has no per-stream clear in Python; clearing every stream's workspace is what
-        # torch.compile's cudagraph trees do around each recording. Eager work re-creates them.
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear is not None:
-            clear()
+    def capture_stream(self, pool: Any, device: Any) -> torch.cuda.Stream:
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        key = (index, *pool_id(pool))
+        with _capture_streams_lock:
+            stream = _capture_streams.get(key)
+            if stream is None:
+                stream = _capture_streams[key] = _private_stream(index)
+        return stream
 
     def check_available(self) -> None:
         if not torch.cuda.is_available():
@@ -177,6 +181,28 @@ class CudaBackend:
 
     def range_pop(self) -> None:
         torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
+
+
+# One stream per (device, pool) ever captured into; never destroyed (see _private_stream).
+_capture_streams: dict[tuple[int, ...], torch.cuda.Stream] = {}
+_capture_streams_lock = threading.Lock()
+
+
+def _private_stream(index: int) -> torch.cuda.Stream:
+    """A stream nobody else holds. torch's streams come from a small shared pool, so one may
+    already carry another user's cuBLAS workspace; a stream made through the bindings is new.
+    It is never destroyed: the driver could hand its handle out again, and whoever got it
+    would find our workspace cached under it."""
+    with torch.cuda.device(index):
+        handle = RUNTIME.create_stream()
+        if handle is not None:
+            return torch.cuda.ExternalStream(handle)  # type: ignore[no-untyped-call]
+        logger.warning(
+            "bcg: cuda-bindings cannot create a stream, so captures run on one of torch's "
+            "shared streams: a cuBLAS workspace cached on it by eager work lies outside the "
+            "graph's pool and is freed when anyone clears cuBLAS workspaces (torch.compile does)."
+        )
+        return torch.cuda.Stream()  # type: ignore[no-untyped-call]
 
 
 def _snapshot_segments(want: tuple[int, ...]) -> list[dict[str, Any]]:

@@ -106,6 +106,20 @@ class _Runtime:
             raise ImportError(self._MISSING_HELP) from exc
         return CaptureInfo(CaptureStatus.ACTIVE if capturing else CaptureStatus.NONE)
 
+    def create_stream(self) -> int | None:
+        """A new non-blocking stream on the current device, as its handle, or None when the
+        bindings are missing or the call fails. The caller owns it."""
+        rt = self.module()
+        if rt is None:
+            return None
+        try:
+            result = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
+        except (RuntimeError, TypeError, AttributeError):
+            return None
+        if _as_int(result[0]) != 0:
+            return None
+        return int(result[1])
+
     def graph_node_count(self, graph: Any) -> int | None:
         """Nodes in a graph being captured, or None when the bindings cannot tell."""
         rt = self.module()

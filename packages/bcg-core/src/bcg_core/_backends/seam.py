@@ -104,14 +104,15 @@ class GraphBackend(Protocol):
         (the CUDA runtime bindings: about 130 ms on an H200 host), so capture time is capture."""
         ...
 
-    def release_library_workspaces(self) -> None:
-        """Drop the scratch workspaces device libraries cache per stream (cuBLAS), at the start
-        and the end of every capture. The capture's first library call then allocates its own
-        workspace inside the graph's pool, which lives as long as the graph: a workspace made
-        by eager work outside the pool is freed whenever anyone clears the cache (torch.compile's
-        cudagraph trees do at each recording, a torch graph's destructor does for its stream),
-        and segments that baked its address would then fault or write into someone else's
-        memory. Clearing at the end keeps later eager work off the graph's workspace."""
+    def capture_stream(self, pool: Any, device: Any) -> Any:
+        """The stream a capture into ``pool`` on ``device`` runs on when the caller names none:
+        one per pool, made by the backend, never shared and never destroyed. Libraries cache
+        scratch memory per stream (cuBLAS's workspace) and captured kernels bake its address;
+        on a stream only captures into ``pool`` use, that memory is first allocated inside such
+        a capture, so it lives in the pool, as long as the graphs that use it. A workspace left
+        by eager work on a shared stream lives outside the pool, and is freed whenever anyone
+        clears the cache (torch.compile's cudagraph trees do at every recording): the graph
+        would then fault or write into memory that is someone else's."""
         ...
 
     def new_segment(self) -> Segment: ...

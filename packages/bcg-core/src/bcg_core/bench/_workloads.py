@@ -164,6 +164,11 @@ def full_graph_contender(
     if device.type != "cuda":
         return Contender(FULL_GRAPH, None, skipped="needs CUDA")
     _warm(step, device)
+    # torch's capture stream is shared by every plain graph of the process: cleared of cuBLAS
+    # workspaces (the warm-ups ran elsewhere), it makes one inside this graph's pool, which
+    # lives as long as the graph. Otherwise the graph bakes one an earlier graph made, which
+    # torch.compile's clears free once that graph is gone: an illegal address at replay.
+    torch._C._cuda_clearCublasWorkspaces()
     graph = torch.cuda.CUDAGraph()
 
     def capture() -> torch.Tensor:
