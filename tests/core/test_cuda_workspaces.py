@@ -22,6 +22,7 @@ from bcg_core import (
     BreakableGraphRunner,
     eager_on_graph,
     enable_breakable_cuda_graph,
+    get_current_stream,
 )
 
 pytestmark = pytest.mark.cuda
@@ -134,4 +135,38 @@ def test_runner_entries_survive_workspace_clears_and_a_reset_runner() -> None:
             for b, x in inputs.items():
                 assert torch.equal(second(x), expected[b]), f"batch {b}"
         assert _untouched(junk), "a replay wrote into memory the graph no longer owns"
+        second.reset()
+
+
+def test_live_pools_capture_on_their_own_lanes_and_a_dead_pools_lane_is_reused() -> None:
+    """Graphs of two live pools may replay at once on different streams, so they must not
+    share a workspace: each pool captures on its own stream. A pool's lane returns when the
+    pool is gone, and the next pool reuses it (no new stream, no new workspace)."""
+    w = _weights()
+    x = _inputs(8)
+
+    def capture_on() -> tuple[BreakableCUDAGraph, int]:
+        graph = BreakableCUDAGraph()
+        with BreakableCUDAGraphCapture(graph):
+            stream = get_current_stream().cuda_stream
+            _forward(x, w)
+        return graph, stream
+
+    with torch.no_grad(), enable_breakable_cuda_graph():
+        _forward(x, w)
+        first, first_stream = capture_on()
+        second, second_stream = capture_on()
+        assert first_stream != second_stream
+        assert torch.cuda.current_stream().cuda_stream not in (first_stream, second_stream)
+        del first
+        gc.collect()
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+        third, third_stream = capture_on()
+        assert third_stream == first_stream
+        del third
+        gc.collect()
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_allocated() - allocated
+        assert grown < 4 << 20, f"{grown} bytes more: a reused lane made a new workspace"
         second.reset()

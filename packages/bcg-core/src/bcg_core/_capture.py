@@ -225,12 +225,12 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
     stream and not joined is joined before its segment ends; without it the capture fails with
     :class:`UnjoinedStreamError` naming the stream.
 
-    ``stream=None`` (the default) captures on the pool's own stream, which only captures into
-    that pool use. Captured cuBLAS kernels bake the address of their stream's cached workspace;
-    on that stream it is first allocated inside a capture, so it lives in the pool. A stream of
-    your own that ran eager cuBLAS work (warm-ups) has its workspace outside the pool, and
-    anyone clearing cuBLAS workspaces (torch.compile's cudagraph trees do at every recording)
-    frees memory the graph still writes at every replay: warm up on another stream.
+    ``stream=None`` (the default) captures on the pool's capture lane: a stream only captures
+    use, whose cuBLAS workspace (captured kernels bake its address) lives in memory of the
+    lane's own, made there before the capture. A stream of your own that ran eager cuBLAS work
+    (warm-ups) has its workspace in the ordinary allocator, and anyone clearing cuBLAS
+    workspaces (torch.compile's cudagraph trees do at every recording) frees memory the graph
+    still writes at every replay: warm up on another stream.
 
     ``faithful`` (default True): each segment is launched once on the capturing stream right
     after its capture ends, before the next break runs. Breaks then see the values an eager step

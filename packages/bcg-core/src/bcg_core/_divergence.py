@@ -228,7 +228,7 @@ def _capture(
     graph: BreakableCUDAGraph, fn: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]
 ) -> Any:
     """Warm up once on a side stream (library handles, lazy state), then capture after it on
-    the pool's stream, as the runner does; CPU segments record their source lines."""
+    the pool's capture lane, as the runner does; CPU segments record their source lines."""
     backend = backend_for(graph.backend)
     side = backend.new_stream()
     side.wait_stream(backend.current_stream())

@@ -283,8 +283,8 @@ class BreakableGraphRunner:
     @property
     def stream(self) -> Any:
         """The stream warm-ups run on (one per runner, made on first use and reused: each
-        stream that runs cuBLAS work keeps a workspace). Captures then run on the pool's own
-        stream, ordered after it (see :class:`BreakableCUDAGraphCapture`)."""
+        stream that runs cuBLAS work keeps a workspace). Captures then run on the pool's capture
+        lane, ordered after it (see :class:`BreakableCUDAGraphCapture`)."""
         with self._lock:
             if self._side is None:
                 self._side = self._graph_backend.new_stream(self.device)
@@ -408,7 +408,7 @@ class BreakableGraphRunner:
                     self.module(*static_args, **static_kwargs)
             backend.synchronize((side,))  # start-up only: the capture's own time is reported
             started = time.perf_counter()
-            # The capture runs on the pool's own stream, after the warm-ups (see
+            # The capture runs on the pool's capture lane, after the warm-ups (see
             # BreakableCUDAGraphCapture: the workspace cuBLAS caches per stream must not be
             # one the warm-ups made outside the pool).
             with (

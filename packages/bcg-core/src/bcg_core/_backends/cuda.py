@@ -1,52 +1,24 @@
-"""The CUDA graph backend: ``torch.cuda.CUDAGraph`` segments, anchored private pools (and the
-per-thread routing that puts a break's capture-time allocations in them), CUDA streams, capture
-status through cuda-bindings (``cudart.py``), and the stream/event hooks that tell a capture
-which side streams were used.
+"""The CUDA graph backend: ``torch.cuda.CUDAGraph`` segments, CUDA streams, capture status
+through cuda-bindings (``cudart.py``), and the stream/event hooks that tell a capture which side
+streams were used. Pools and routing are in ``cuda_pool.py``, capture lanes in
+``cuda_lanes.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import logging
-import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
+from bcg_core._backends.cuda_lanes import lease_lane
+from bcg_core._backends.cuda_pool import CudaPool, allocate_to_pool
 from bcg_core._backends.cudart import RUNTIME
 from bcg_core._backends.seam import CaptureInfo, StreamObserver, pool_id
 from bcg_core._errors import CaptureError
-
-logger = logging.getLogger("bcg_core")
-
-
-class CudaPool:
-    """A graph memory pool that stays valid while this object lives.
-
-    torch frees a pool (in both its device and its pinned-host allocator) when the last graph
-    captured into it is reset; capturing into that id again then fails an allocator assertion.
-    So the pool is anchored by an empty graph captured into it at creation and kept here: the
-    pool survives ``reset()`` of every graph that uses it, and is returned to the allocator when
-    this object (held by every graph that shares it) is collected.
-    """
-
-    def __init__(self) -> None:
-        self.id = torch.cuda.graph_pool_handle()
-        self._anchor = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-            # relaxed: the anchor must not disturb (or be disturbed by) captures on other threads
-            self._anchor.capture_begin(pool=self.id, capture_error_mode="relaxed")
-            self._anchor.capture_end()
-
-    def __repr__(self) -> str:
-        return f"CudaPool(id={self.id})"
 
 
 class CudaSegment:
@@ -104,13 +76,9 @@ class CudaBackend:
 
     def capture_stream(self, pool: Any, device: Any) -> torch.cuda.Stream:
         index = torch.device(device).index
-        index = torch.cuda.current_device() if index is None else index
-        key = (index, *pool_id(pool))
-        with _capture_streams_lock:
-            stream = _capture_streams.get(key)
-            if stream is None:
-                stream = _capture_streams[key] = _private_stream(index)
-        return stream
+        lane = lease_lane(pool, torch.cuda.current_device() if index is None else index)
+        lane.ensure_workspaces()
+        return lane.stream
 
     def check_available(self) -> None:
         if not torch.cuda.is_available():
@@ -171,7 +139,7 @@ class CudaBackend:
         ]
 
     def allocate_to_pool(self, pool: Any, device: Any) -> AbstractContextManager[bool]:
-        return _allocate_to_pool(pool, device)
+        return allocate_to_pool(pool, device)
 
     def note_graph_memory(self, pool: Any, tensors: Sequence[Any]) -> None:
         """Nothing to note: a CUDA kernel reads device memory at replay wherever it came from."""
@@ -181,28 +149,6 @@ class CudaBackend:
 
     def range_pop(self) -> None:
         torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
-
-
-# One stream per (device, pool) ever captured into; never destroyed (see _private_stream).
-_capture_streams: dict[tuple[int, ...], torch.cuda.Stream] = {}
-_capture_streams_lock = threading.Lock()
-
-
-def _private_stream(index: int) -> torch.cuda.Stream:
-    """A stream nobody else holds. torch's streams come from a small shared pool, so one may
-    already carry another user's cuBLAS workspace; a stream made through the bindings is new.
-    It is never destroyed: the driver could hand its handle out again, and whoever got it
-    would find our workspace cached under it."""
-    with torch.cuda.device(index):
-        handle = RUNTIME.create_stream()
-        if handle is not None:
-            return torch.cuda.ExternalStream(handle)  # type: ignore[no-untyped-call]
-        logger.warning(
-            "bcg: cuda-bindings cannot create a stream, so captures run on one of torch's "
-            "shared streams: a cuBLAS workspace cached on it by eager work lies outside the "
-            "graph's pool and is freed when anyone clears cuBLAS workspaces (torch.compile does)."
-        )
-        return torch.cuda.Stream()  # type: ignore[no-untyped-call]
 
 
 def _snapshot_segments(want: tuple[int, ...]) -> list[dict[str, Any]]:
@@ -216,52 +162,6 @@ def _snapshot_segments(want: tuple[int, ...]) -> list[dict[str, Any]]:
         except TypeError:
             continue
     return snapshot()
-
-
-_ROUTING_API = (
-    "_cuda_beginAllocateCurrentThreadToPool",
-    "_cuda_endAllocateToPool",
-    "_cuda_releasePool",
-)
-
-
-@functools.cache
-def _routing_api() -> tuple[Callable[[int, Any], None], ...] | None:
-    """torch's per-thread pool routing (what ``torch.cuda.use_mem_pool`` uses, torch >= 2.8),
-    or None (said once) when this torch lacks it."""
-    fns = tuple(getattr(torch._C, name, None) for name in _ROUTING_API)
-    # torch.cuda.memory registers placeholder classes under these names in builds without them.
-    if all(callable(f) and not isinstance(f, type) for f in fns):
-        return fns  # type: ignore[return-value]
-    logger.warning(
-        "bcg: torch %s has no per-thread pool routing (torch._C.%s, torch >= 2.8): a break's "
-        "output is held outside the graph's pool for the graph's lifetime, which costs more "
-        "memory than a graph intermediate. Upgrade torch to share it through the pool.",
-        torch.__version__,
-        _ROUTING_API[0],
-    )
-    return None
-
-
-@contextlib.contextmanager
-def _allocate_to_pool(pool: Any, device: Any) -> Iterator[bool]:
-    api = _routing_api()
-    if api is None:
-        yield False
-        return
-    begin, end, release = api
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    pid = pool_id(pool)
-    # begin takes a reference on the pool and release gives it back, as use_mem_pool does.
-    begin(index, pid)
-    try:
-        yield True
-    finally:
-        try:
-            end(index, pid)
-        finally:
-            release(index, pid)
 
 
 def _recover(pool: Any) -> None:

@@ -105,14 +105,10 @@ class GraphBackend(Protocol):
         ...
 
     def capture_stream(self, pool: Any, device: Any) -> Any:
-        """The stream a capture into ``pool`` on ``device`` runs on when the caller names none:
-        one per pool, made by the backend, never shared and never destroyed. Libraries cache
-        scratch memory per stream (cuBLAS's workspace) and captured kernels bake its address;
-        on a stream only captures into ``pool`` use, that memory is first allocated inside such
-        a capture, so it lives in the pool, as long as the graphs that use it. A workspace left
-        by eager work on a shared stream lives outside the pool, and is freed whenever anyone
-        clears the cache (torch.compile's cudagraph trees do at every recording): the graph
-        would then fault or write into memory that is someone else's."""
+        """The stream a capture into ``pool`` on ``device`` runs on when the caller names none,
+        ready for it. Libraries cache scratch memory per stream (cuBLAS's workspace) and
+        captured kernels bake its address, so that memory must outlive the graph whoever
+        clears the cache; CUDA: the pool's capture lane (``cuda_lanes.py``)."""
         ...
 
     def new_segment(self) -> Segment: ...

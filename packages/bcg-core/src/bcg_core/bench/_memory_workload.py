@@ -15,12 +15,11 @@ the first capture to after the last, each measured after ``gc.collect()`` and
 ``torch.cuda.empty_cache()``, so it counts pools, bridges and static input buffers, and nothing
 that was freed. It is reported as ``pool MB``, and bcg's as a ratio to the plain graphs in the
 ``x full graph`` column (goal: <= 1.10). Example inputs, weights and the KV cache exist before
-the baselines. Both hold one cuBLAS workspace in their pool: kernels bake the address of the
-workspace their stream caches, so it is graph memory (bcg captures on its pool's own stream;
-the plain graphs capture on a stream that has none, after clearing them, and warm up on
-another). The runner's warm-up stream runs the block before bcg's baseline. ``correct``:
-every batch size replayed by both, bitwise equal. Nothing is timed. CUDA only: elsewhere
-both contenders are reported as skipped, with the reason.
+the baselines; each capture stream is made and has run the block before its baseline (its cuBLAS
+workspace is not graph memory: bcg's lives in its capture lane's pool, made by a first
+capture and reset before the baseline). ``correct``: every batch size replayed by both, bitwise
+equal.
+Nothing is timed. CUDA only: elsewhere both contenders are reported as skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -66,7 +65,11 @@ def memory_workload(ctx: BenchContext) -> list[Measurement]:
         plain_bytes, plain = _plain_graphs(step, examples, largest_first)
         ctx.progress(f"{WORKLOAD}: bcg")
         runner = BreakableGraphRunner(step, device=ctx.device)
-        _warm_stream(runner.stream, step, examples[1])
+        # A first capture makes the runner's capture lane (a stream and the pool that holds its
+        # cuBLAS workspace); reset() keeps it for the next pool. The plain graphs' stream is
+        # warmed up before their baseline too: neither side counts a workspace.
+        runner.capture(*examples[1])
+        runner.reset()
         before = _reserved()
         runner.capture_many([(examples[b], {}) for b in BATCHES])
         bcg_bytes = _reserved() - before
@@ -141,18 +144,14 @@ def _plain_graphs(
     """Capture one plain graph per batch size into one pool; return the memory they added and,
     per size, a function that replays it and returns a copy of its output."""
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    warm = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    _warm_stream(warm, step, examples[1])
-    # The plain graphs hold their cuBLAS workspace in their pool, as bcg's do: no stream has
-    # one after the clear and warm-ups run on another stream, so the first capture makes it.
-    torch._C._cuda_clearCublasWorkspaces()
+    _warm_stream(stream, step, examples[1])
     pool = torch.cuda.graph_pool_handle()
     before = _reserved()
     replays: dict[int, Callable[[], torch.Tensor]] = {}
     for b in order:
         h, positions = (t.clone() for t in examples[b])
         for _ in range(2):
-            _warm_stream(warm, step, (h, positions))
+            _warm_stream(stream, step, (h, positions))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             out = step(h, positions)

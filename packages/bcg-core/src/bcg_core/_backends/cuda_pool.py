@@ -1,0 +1,88 @@
+"""Graph memory pools on CUDA: a pool id anchored so it outlives the graphs that use it, and
+torch's per-thread routing that puts eager allocations in a pool."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from bcg_core._backends.seam import pool_id
+
+logger = logging.getLogger("bcg_core")
+
+
+class CudaPool:
+    """A graph memory pool that stays valid while this object lives.
+
+    torch frees a pool (in both its device and its pinned-host allocator) when the last graph
+    captured into it is reset; capturing into that id again then fails an allocator assertion.
+    So the pool is anchored by an empty graph captured into it at creation and kept here: the
+    pool survives ``reset()`` of every graph that uses it, and is returned to the allocator when
+    this object (held by every graph that shares it) is collected.
+    """
+
+    def __init__(self) -> None:
+        self.id = torch.cuda.graph_pool_handle()
+        self._anchor = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+            # relaxed: the anchor must not disturb (or be disturbed by) captures on other threads
+            self._anchor.capture_begin(pool=self.id, capture_error_mode="relaxed")
+            self._anchor.capture_end()
+
+    def __repr__(self) -> str:
+        return f"CudaPool(id={self.id})"
+
+
+_ROUTING_API = (
+    "_cuda_beginAllocateCurrentThreadToPool",
+    "_cuda_endAllocateToPool",
+    "_cuda_releasePool",
+)
+
+
+@functools.cache
+def _routing_api() -> tuple[Callable[[int, Any], None], ...] | None:
+    """torch's per-thread pool routing (what ``torch.cuda.use_mem_pool`` uses, torch >= 2.8),
+    or None (said once) when this torch lacks it."""
+    fns = tuple(getattr(torch._C, name, None) for name in _ROUTING_API)
+    # torch.cuda.memory registers placeholder classes under these names in builds without them.
+    if all(callable(f) and not isinstance(f, type) for f in fns):
+        return fns  # type: ignore[return-value]
+    logger.warning(
+        "bcg: torch %s has no per-thread pool routing (torch._C.%s, torch >= 2.8): a break's "
+        "output is held outside the graph's pool for the graph's lifetime, which costs more "
+        "memory than a graph intermediate. Upgrade torch to share it through the pool.",
+        torch.__version__,
+        _ROUTING_API[0],
+    )
+    return None
+
+
+@contextlib.contextmanager
+def allocate_to_pool(pool: Any, device: Any) -> Iterator[bool]:
+    api = _routing_api()
+    if api is None:
+        yield False
+        return
+    begin, end, release = api
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    pid = pool_id(pool)
+    # begin takes a reference on the pool and release gives it back, as use_mem_pool does.
+    begin(index, pid)
+    try:
+        yield True
+    finally:
+        try:
+            end(index, pid)
+        finally:
+            release(index, pid)
