@@ -132,6 +132,11 @@ def _break_returning(outputs: list[Any]) -> Any:
         (lambda h: {"h": h}, lambda h: [h], "output is a list of length 1, was a dict"),
         (lambda h: {"h": h}, lambda h: {"g": h}, "output is a dict with keys ['g']"),
         (lambda h: AttnOut(h, h), lambda h: (h, h), "output is a tuple of length 2, was a AttnOut"),
+        # flat tuples and lists, such as transformers' (out, None), take a faster path
+        (lambda h: (h, None), lambda h: (None, h), "output[0] is a non-tensor value, was a tensor"),
+        (lambda h: (h, None), lambda h: [h, None], "output is a list of length 2, was a tuple"),
+        (lambda h: (h, None), lambda h: (h, (h,)), "output[1] is a tuple of length 1, was a non"),
+        (lambda h: (h, None), lambda h: (h, None, 1), "output is a tuple of length 3, was a tuple"),
     ],
 )
 def test_break_structure_change_raises(
@@ -144,6 +149,25 @@ def test_break_structure_change_raises(
         graph.replay()
     assert message in str(info.value)
     assert repr(step.__qualname__) in str(info.value)
+
+
+def test_break_flat_tuple_refreshes_tensors_and_freezes_other_values(device: str) -> None:
+    x = torch.zeros(3)
+    seen = iter(range(100))
+
+    @eager_on_graph
+    def pair(x: torch.Tensor) -> tuple[torch.Tensor, None, int, torch.Tensor]:
+        return x + 1, None, next(seen), x * 2
+
+    def step() -> torch.Tensor:
+        a, _, n, b = pair(x)
+        return a * 10 + b + n
+
+    graph, result = _capture(step)  # n is 0 at capture and stays 0 in the graph
+    for value in (1.0, 5.0, -2.0):
+        x.fill_(value)
+        graph.replay()
+        assert torch.equal(result, (x + 1) * 10 + x * 2), (result, x)
 
 
 def test_break_dict_in_another_key_order_is_matched_by_key(device: str) -> None:

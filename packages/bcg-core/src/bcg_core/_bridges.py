@@ -22,8 +22,8 @@ code saw the capture-time value.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -85,7 +85,7 @@ class Bridge:
     others strongly. Without it every tensor is held strongly.
     """
 
-    __slots__ = ("_dst", "_name", "_single", "_spec", "output")
+    __slots__ = ("_dst", "_flat", "_meta", "_name", "_single", "_spec", "output")
 
     def __init__(
         self, name: str, output: Any, in_pool: Callable[[torch.Tensor], bool] | None = None
@@ -96,10 +96,17 @@ class Bridge:
         self.output = output
         leaves, self._spec = _trees.flatten(output)
         self._dst = [x for x in leaves if isinstance(x, torch.Tensor)]
-        # The common case (one output tensor) is checked against metadata read once: nothing
-        # else reaches the bridge's tensors, so their shape, dtype and address never change.
-        one = output if isinstance(output, torch.Tensor) else None
-        self._single = None if one is None else (one, one.shape, one.dtype, one.data_ptr())
+        # Fresh outputs are checked against metadata read once: nothing else reaches the
+        # bridge's tensors, so their shape, dtype and address never change.
+        self._meta = [(d, d.shape, d.dtype, d.data_ptr()) for d in self._dst]
+        self._single = isinstance(output, torch.Tensor)
+        # A flat tuple or list (transformers' attention returns ``(out, None)``) is matched by
+        # position, without flattening: its type and which positions hold tensors, read once.
+        self._flat: tuple[type, tuple[bool, ...]] | None = None
+        if type(output) in (tuple, list) and all(
+            isinstance(x, torch.Tensor) or type(x) in _LEAF_TYPES for x in output
+        ):
+            self._flat = (type(output), tuple(isinstance(x, torch.Tensor) for x in output))
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -111,35 +118,65 @@ class Bridge:
         if fresh is self.output or not self._dst:
             return
         # Copies into the bridge are data movement, never part of an autograd graph. Entering
-        # no_grad costs more than the copy's launch, so only when grad mode is on.
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                self._update(fresh)
-        else:
+        # no_grad costs twice the copy's launch; setting the mode directly a fraction of it.
+        grad = torch.is_grad_enabled()
+        if grad:
+            torch._C._set_grad_enabled(False)
+        try:
             self._update(fresh)
+        finally:
+            if grad:
+                torch._C._set_grad_enabled(True)
 
     def _update(self, fresh: Any) -> None:
-        single = self._single
-        if single is not None and isinstance(fresh, torch.Tensor):
-            d, shape, dtype, ptr = single
-            if fresh.shape != shape or fresh.dtype != dtype:
-                self._check(d, fresh, "output")  # raises with the details
-            if fresh.data_ptr() != ptr or not _same_memory(d, fresh):
-                d.copy_(fresh)
+        src: list[torch.Tensor] | None
+        if self._single and isinstance(fresh, torch.Tensor):
+            src = [fresh]
+        else:
+            src = self._match_flat(fresh) if self._flat is not None else None
+        if src is None:
+            src = self._match(fresh)
+        meta = self._meta
+        if len(meta) == 1:  # the common case, without building lists
+            d, shape, dtype, ptr = meta[0]
+            one = src[0]
+            if one.shape != shape or one.dtype != dtype:
+                self._check(d, one, self._tensor_paths()[0])  # raises with the details
+            if one.data_ptr() != ptr or not _same_memory(d, one):
+                d.copy_(one)
             return
-        src = self._match(fresh)
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        for i, (d, s) in enumerate(zip(self._dst, src, strict=True)):
-            if d.shape != s.shape or d.dtype != s.dtype:
-                self._check(d, s, self._tensor_paths()[i])
-            if not _same_memory(d, s):
+        for i, ((d, shape, dtype, ptr), t) in enumerate(zip(meta, src, strict=True)):
+            if t.shape != shape or t.dtype != dtype:
+                self._check(d, t, self._tensor_paths()[i])
+            if t.data_ptr() != ptr or not _same_memory(d, t):
                 dsts.append(d)
-                srcs.append(s)
+                srcs.append(t)
         if len(dsts) == 1:
             dsts[0].copy_(srcs[0])
         elif dsts:
             torch._foreach_copy_(dsts, srcs)
+
+    def _match_flat(self, fresh: Any) -> list[torch.Tensor] | None:
+        """The tensors of a fresh flat tuple or list shaped like the capture's, or None (then
+        :meth:`_match` decides, and names any difference)."""
+        assert self._flat is not None
+        kind, tensors = self._flat
+        if type(fresh) is not kind:
+            return None
+        items = cast("Sequence[Any]", fresh)  # a tuple or a list: its type was just checked
+        if len(items) != len(tensors):
+            return None
+        out = []
+        for x, is_tensor in zip(items, tensors, strict=True):
+            if is_tensor:
+                if not isinstance(x, torch.Tensor):
+                    return None
+                out.append(x)
+            elif type(x) not in _LEAF_TYPES:
+                return None
+        return out
 
     def _match(self, fresh: Any) -> list[torch.Tensor]:
         """The fresh output's tensors in the bridge's order, matched by structure (and dicts
@@ -174,6 +211,10 @@ class Bridge:
                 f"break {self._name!r}: {where} is {tuple(s.shape)} {s.dtype} at replay "
                 f"but was {tuple(d.shape)} {d.dtype} at capture; capture a graph per shape"
             )
+
+
+# Values a flat output may hold besides tensors: leaves for the tree walker, frozen at capture.
+_LEAF_TYPES = (type(None), bool, int, float, str)
 
 
 def _same_memory(d: torch.Tensor, s: torch.Tensor) -> bool:
