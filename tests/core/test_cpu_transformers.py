@@ -95,6 +95,40 @@ def test_static_cache_decode_replays_equal_eager(family: str) -> None:
     decode_through_runner(_model(family, bcg_core.breakable_attention("sdpa")), steps=3)
 
 
+def test_sdpa_break_is_the_kernel_call_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At replay only the attention kernel runs eagerly: transformers' ``repeat_kv`` (and the
+    rest of its sdpa function) was captured into the graph, so replays never call it."""
+    from transformers.integrations import sdpa_attention
+
+    calls: list[int] = []
+    real = sdpa_attention.repeat_kv
+
+    def counted(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
+        calls.append(n_rep)
+        return real(hidden, n_rep)
+
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", counted)
+    model = _model("llama", bcg_core.breakable_attention("sdpa"))
+    prompt = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    cache, reference_cache = _prefilled(model, prompt), _prefilled(model, prompt)
+    runner = BreakableGraphRunner(
+        lambda ids: model(input_ids=ids, past_key_values=cache, use_cache=True).logits,
+        device="cpu",
+        warmup_iters=0,
+    )
+    ids = prompt[:, -1:]
+    with torch.no_grad():
+        runner.capture(ids)
+        assert calls, "the model's attention does not repeat key/value heads"
+        assert runner.stats.entries[0].breaks == model.config.num_hidden_layers
+        model(input_ids=ids, past_key_values=reference_cache, use_cache=True)  # the capture's step
+        calls.clear()
+        got = runner(ids)
+        assert calls == [], "a replay ran transformers' attention function, not just the kernel"
+        expected = model(input_ids=ids, past_key_values=reference_cache, use_cache=True).logits
+    assert torch.equal(got, expected)
+
+
 def test_eager_base_uses_the_models_own_eager_attention() -> None:
     name = bcg_core.breakable_attention("eager")
     assert name == "bcg_eager"

@@ -7,20 +7,28 @@ registered for attention but not for masks is taken for a backend that builds no
 attention silently gets ``attention_mask=None`` (StaticCache decode then attends to every empty
 slot). :func:`breakable_attention` therefore registers both, under one name.
 
-The break is the attention call alone: the Q/K/V projections, RoPE and the KV-cache update
-(``StaticCache`` writes in place, in the graph) are captured; at replay the break runs again on
-the capture-time query and the cache tensors, which a static cache keeps at fixed addresses.
+The break is the attention call alone (for ``sdpa``, the kernel call alone): the Q/K/V
+projections, RoPE and the KV-cache update (``StaticCache`` writes in place, in the graph) are
+captured; at replay the break runs again on the capture-time query and the cache tensors, which
+a static cache keeps at fixed addresses.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch.overrides import TorchFunctionMode
+
 from bcg_core._breaks import eager_on_graph
+from bcg_core._context import is_breakable_capture_active
 from bcg_core._flag import is_in_breakable_cuda_graph
+
+logger = logging.getLogger("bcg_core")
 
 PREFIX = "bcg_"
 _PAGED = "paged|"
@@ -45,7 +53,10 @@ def breakable_attention(base: str = "sdpa") -> str:
     as before.
 
     While :func:`is_in_breakable_cuda_graph` is true the attention call is one
-    ``@eager_on_graph`` break; otherwise it is ``base``'s function, unchanged. Registering is
+    ``@eager_on_graph`` break; otherwise it is ``base``'s function, unchanged. For ``sdpa`` the
+    break is the ``scaled_dot_product_attention`` call alone: the rest of the function
+    (``repeat_kv``, the output's transpose and copy) is captured, so a replay runs one eager op
+    per layer. Registering is
     process-wide, idempotent and additive (no existing name changes).
 
     Raises ``ImportError`` naming the extra when transformers (>= 5) is missing, ``ValueError``
@@ -78,7 +89,8 @@ def breakable_attention(base: str = "sdpa") -> str:
                 f"has {known}"
             )
         name = (_PAGED if paged else "") + PREFIX + plain
-        attention_interface.register(name, _make_breakable(function, name))
+        kernel_only = base == "sdpa"
+        attention_interface.register(name, _make_breakable(function, name, kernel_only))
         mask = mask_interface._global_mapping.get(base)
         if mask is not None:
             mask_interface.register(name, mask)
@@ -117,14 +129,65 @@ def _model_eager(module: Any, *args: Any, **kwargs: Any) -> Any:
     return function(module, *args, **kwargs)
 
 
-def _make_breakable(function: Callable[..., Any], name: str) -> Callable[..., Any]:
-    as_break = eager_on_graph(name=f"transformers attention ({name})")(function)
+def _make_breakable(
+    function: Callable[..., Any], name: str, kernel_only: bool
+) -> Callable[..., Any]:
+    label = f"transformers attention ({name})"
+    as_break = eager_on_graph(name=label)(function)
+    kernel_break = eager_on_graph(name=label)(_sdpa) if kernel_only else None
+    warned: list[bool] = []  # said once per registered name
 
     def attention(module: Any, *args: Any, **kwargs: Any) -> Any:
-        if is_in_breakable_cuda_graph():
+        if not is_in_breakable_cuda_graph():
+            return function(module, *args, **kwargs)
+        if kernel_break is None:
             return as_break(module, *args, **kwargs)
-        return function(module, *args, **kwargs)
+        if not is_breakable_capture_active():
+            return function(module, *args, **kwargs)
+        with _KernelAsBreak(kernel_break) as mode:
+            out = function(module, *args, **kwargs)
+        if mode.calls == 0 and not warned:
+            warned.append(True)
+            logger.warning(
+                "bcg: %s: %s made no torch.nn.functional.scaled_dot_product_attention call, so "
+                "the attention was captured into the graph, with no break (this transformers "
+                "version computes sdpa attention another way; please report it)",
+                name,
+                getattr(function, "__qualname__", function),
+            )
+        return out
 
     attention.__name__ = attention.__qualname__ = f"{name}_attention_forward"
     attention.__doc__ = f"{getattr(function, '__name__', function)}, as a bcg break point."
     return attention
+
+
+def _sdpa(*args: Any, **kwargs: Any) -> Any:
+    """The attention kernel call that ``bcg_sdpa`` makes a break (a Python function, so the
+    break has a name and a replayable callable)."""
+    return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+
+
+class _KernelAsBreak(TorchFunctionMode):
+    """While one sdpa attention call is captured, its ``scaled_dot_product_attention`` call is
+    the break: the rest of transformers' function (``repeat_kv``, mask slicing, the transpose
+    and copy of the output) is captured into the graph, so each replay runs one eager op per
+    layer instead of the whole function. A torch function mode is thread-local: nothing
+    outside this call sees it."""
+
+    def __init__(self, kernel_break: Callable[..., Any]) -> None:
+        super().__init__()
+        self._break = kernel_break
+        self.calls = 0
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.calls += 1
+            return self._break(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
