@@ -18,6 +18,7 @@ never destroyed, so there are as many as pools were ever alive at once.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from typing import Any
@@ -41,19 +42,24 @@ class CaptureLane:
             self.workspaces = CudaPool()
 
     def ensure_workspaces(self) -> None:
-        """Make the calling thread's cuBLAS and cuBLASLt workspaces for this stream exist,
-        in :attr:`workspaces`: nothing happens when they do; after a clear they are made there
-        (two tiny matmuls on the lane's stream, with the thread's allocations routed to it)."""
+        """Make the calling thread's cuBLAS workspace for this stream exist, in
+        :attr:`workspaces`: nothing happens when it does; after a clear it is made there."""
         with (
             torch.cuda.device(self.index),
             allocate_to_pool(self.workspaces, self.index),
             torch.cuda.stream(self.stream),
         ):
-            a = torch.ones(8, 8, device=torch.device("cuda", self.index))
-            torch.mm(a, a)
-            torch.addmm(a[0], a, a)  # the cuBLASLt path, where torch takes it
+            # Asking for the handle makes torch attach the stream's workspace, allocating it if
+            # it is missing, without running a kernel (a first matmul of a new dtype costs tens
+            # of ms of module loading). cuBLASLt shares that workspace unless told not to.
+            torch.cuda.current_blas_handle()  # type: ignore[no-untyped-call]
+            if _SEPARATE_LT_WORKSPACE:
+                a = torch.ones(8, 8, device=torch.device("cuda", self.index))
+                torch.addmm(a[0], a, a)  # a cuBLASLt call: its own workspace for the stream
 
 
+# torch >= 2.11 shares the cuBLAS workspace with cuBLASLt unless this is set to 0.
+_SEPARATE_LT_WORKSPACE = os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "").strip() == "0"
 _lock = threading.RLock()  # re-entrant: a CudaPool's finalizer may run inside a locked block
 _leased: dict[tuple[int, ...], CaptureLane] = {}
 _free: dict[int, list[CaptureLane]] = {}
