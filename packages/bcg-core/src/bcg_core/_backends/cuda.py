@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from bcg_core._backends.cuda_lanes import lease_lane
+from bcg_core._backends.cuda_lanes import lease_lane, make_spare_lane
 from bcg_core._backends.cuda_pool import CudaPool, allocate_to_pool
 from bcg_core._backends.cudart import RUNTIME
 from bcg_core._backends.seam import CaptureInfo, StreamObserver, pool_id
@@ -73,6 +73,7 @@ class CudaBackend:
     def prepare(self) -> None:
         if torch.cuda.is_available():
             RUNTIME.module()
+            make_spare_lane(torch.cuda.current_device())  # about 25 ms, once per device
 
     def capture_stream(self, pool: Any, device: Any) -> torch.cuda.Stream:
         index = torch.device(device).index

@@ -79,6 +79,14 @@ def lease_lane(pool: Any, index: int) -> CaptureLane:
         return lane
 
 
+def make_spare_lane(index: int) -> None:
+    """Make a free lane on device ``index`` if it has never had one, so that the first capture
+    of the process does not pay for making it (a stream and an anchored pool)."""
+    with _lock:
+        if index not in _free:
+            _free[index] = [CaptureLane(index)]
+
+
 def _give_back(key: tuple[int, ...]) -> None:
     with _lock:
         lane = _leased.pop(key, None)
