@@ -36,11 +36,19 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "qwen2": lambda: transformers.Qwen2Config(**SMALL),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=16),
 }
+# More families, CPU only: full attention everywhere (see test_sliding_window_is_refused).
+MORE_FAMILIES: dict[str, Callable[[], Any]] = {
+    "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=None),
+    "gemma2": lambda: transformers.Gemma2Config(
+        **SMALL, head_dim=16, pad_token_id=0, layer_types=["full_attention"] * 3
+    ),
+    "phi3": lambda: transformers.Phi3Config(**SMALL, pad_token_id=0),
+}
 
 
 def _model(family: str, attn: str) -> Any:
     torch.manual_seed(0)
-    config = FAMILIES[family]()
+    config = {**FAMILIES, **MORE_FAMILIES}[family]()
     return transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation=attn, dtype=torch.float32
     ).eval()
@@ -93,6 +101,48 @@ def decode_through_runner(model: Any, steps: int, device: str = "cpu") -> None:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_static_cache_decode_replays_equal_eager(family: str) -> None:
     decode_through_runner(_model(family, bcg_core.breakable_attention("sdpa")), steps=3)
+
+
+@pytest.mark.parametrize("base", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
+def test_more_families_decode_equal_eager(family: str, base: str) -> None:
+    decode_through_runner(_model(family, bcg_core.breakable_attention(base)), steps=3)
+
+
+def test_sliding_window_is_refused_and_the_runner_stays_eager() -> None:
+    """transformers keeps a sliding-window cache layer's position in a Python int, which a graph
+    would freeze (replays at later positions: wrong logits). Capture refuses it by name; the
+    runner then runs that signature eagerly, so the values stay right."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(**SMALL)  # sliding_window=4096: sliding cache layers
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=bcg_core.breakable_attention("sdpa"), dtype=torch.float32
+    ).eval()
+    prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
+    cache, reference_cache = _prefilled(model, prompt), _prefilled(model, prompt)
+    runner = BreakableGraphRunner(
+        lambda ids: model(input_ids=ids, past_key_values=cache, use_cache=True).logits,
+        device="cpu",
+        warmup_iters=0,
+    )
+    ids = prompt[:, -1:]
+    with torch.no_grad():
+        saved = [t.clone() for t in cache_tensors(cache)]
+        positions = [layer.cumulative_length_int for layer in cache.layers]
+        runner.capture(ids)  # refused part-way, then run eagerly: the cache moved on
+        (why,) = runner.blocked_signatures.values()
+        assert "CaptureError" in why and "sliding-window attention (sliding_window=4096)" in why
+        assert not bcg_core.is_breakable_capture_active()
+        assert runner.stats.entries == ()
+        for t, s in zip(cache_tensors(cache), saved, strict=True):
+            t.copy_(s)
+        for layer, position in zip(cache.layers, positions, strict=True):
+            layer.cumulative_length_int = position
+        for _ in range(3):
+            got = runner(ids)
+            expected = model(input_ids=ids, past_key_values=reference_cache, use_cache=True)
+            assert torch.equal(got, expected.logits)
+            ids = expected.logits[:, -1:].argmax(-1)
 
 
 def test_sdpa_break_is_the_kernel_call_alone(monkeypatch: pytest.MonkeyPatch) -> None:

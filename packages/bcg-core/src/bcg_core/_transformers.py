@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from bcg_core._breaks import eager_on_graph
 from bcg_core._context import is_breakable_capture_active
+from bcg_core._errors import CaptureError
 from bcg_core._flag import is_in_breakable_cuda_graph
 
 logger = logging.getLogger("bcg_core")
@@ -140,6 +141,8 @@ def _make_breakable(
     def attention(module: Any, *args: Any, **kwargs: Any) -> Any:
         if not is_in_breakable_cuda_graph():
             return function(module, *args, **kwargs)
+        if is_breakable_capture_active():
+            _refuse_sliding_window(module, kwargs)
         if kernel_break is None:
             return as_break(module, *args, **kwargs)
         if not is_breakable_capture_active():
@@ -160,6 +163,25 @@ def _make_breakable(
     attention.__name__ = attention.__qualname__ = f"{name}_attention_forward"
     attention.__doc__ = f"{getattr(function, '__name__', function)}, as a bcg break point."
     return attention
+
+
+def _refuse_sliding_window(module: Any, kwargs: dict[str, Any]) -> None:
+    """Sliding-window layers cannot be captured: transformers keeps their cache position in a
+    Python int (``StaticSlidingWindowLayer.cumulative_length_int``; the mask's query offset and
+    the model's positions come from it), which a graph freezes. Every replay at another
+    position would then attend with the capture's mask: wrong logits, no error."""
+    window = kwargs.get("sliding_window")
+    if window is None:
+        return
+    raise CaptureError(
+        f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) uses "
+        f"sliding-window attention (sliding_window={window}): transformers keeps the position "
+        "of sliding-window cache layers in a Python int, which a graph would freeze, so every "
+        "replay at another position would use the capture's mask and positions. Capture only "
+        "full-attention models: when the context never exceeds the window, build the model "
+        "with config.sliding_window = None (Mistral) or every layer_types entry "
+        '"full_attention"; otherwise run this model eagerly.'
+    )
 
 
 def _sdpa(*args: Any, **kwargs: Any) -> Any:
