@@ -98,6 +98,73 @@ MODELS: dict[str, Callable[..., tuple[nn.Module, Step, torch.Tensor]]] = {
 }
 
 
+def _randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+
+
+def wan_model() -> tuple[nn.Module, Step, torch.Tensor]:
+    """Wan 2.1, 2 blocks (video latents): dispatch function, self and cross attention."""
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+        out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32,
+    ).eval()  # fmt: skip
+    text = _randn(1, 8, 32)
+
+    def step(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = model(
+            hidden_states=x, timestep=t * 1000, encoder_hidden_states=text, return_dict=False
+        )[0]
+        return out
+
+    return model, step, _randn(1, 4, 2, 8, 8)
+
+
+def pixart_model() -> tuple[nn.Module, Step, torch.Tensor]:
+    """PixArt-alpha, 2 blocks: processors calling F.scaled_dot_product_attention."""
+    model = diffusers.PixArtTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+        num_layers=2, cross_attention_dim=32, sample_size=8, patch_size=2, caption_channels=32,
+        norm_type="ada_norm_single", use_additional_conditions=False,
+    ).eval()  # fmt: skip
+    text = _randn(1, 8, 32)
+    no_conditions = {"resolution": None, "aspect_ratio": None}
+
+    def step(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = model(
+            x, encoder_hidden_states=text, timestep=t * 1000,
+            added_cond_kwargs=no_conditions, return_dict=False,
+        )[0]  # fmt: skip
+        return out
+
+    return model, step, _randn(1, 4, 8, 8)
+
+
+def ltx_model() -> tuple[nn.Module, Step, torch.Tensor]:
+    """LTX-Video, 2 blocks, with a text attention mask."""
+    model = diffusers.LTXVideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
+        attention_head_dim=16, cross_attention_dim=32, num_layers=2, caption_channels=32,
+    ).eval()  # fmt: skip
+    text, mask = _randn(1, 8, 32), torch.ones(1, 8)
+
+    def step(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = model(
+            hidden_states=x, encoder_hidden_states=text, timestep=t * 1000,
+            encoder_attention_mask=mask, num_frames=2, height=4, width=4, return_dict=False,
+        )[0]  # fmt: skip
+        return out
+
+    return model, step, _randn(1, 32, 4)
+
+
+# More families, CPU only (the CUDA suite runs MODELS).
+MORE_MODELS: dict[str, Callable[[], tuple[nn.Module, Step, torch.Tensor]]] = {
+    "ltx": ltx_model,
+    "pixart": pixart_model,
+    "wan": wan_model,
+}
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> Iterator[None]:
     torch.manual_seed(0)
@@ -141,6 +208,24 @@ def test_every_attention_op_is_a_break_and_replays_equal_eager(family: str) -> N
     finally:
         runner.close()
     _assert_unpatched()
+
+
+@pytest.mark.parametrize("family", sorted(MORE_MODELS))
+def test_more_families_break_at_every_attention_op(family: str) -> None:
+    model, step, latents = MORE_MODELS[family]()
+    ops = attention_ops(step, latents)
+    assert ops == 4  # self and cross attention in each of 2 blocks
+    runner = DiTRunner(step, breakable_attention=make_attention_ops_breakable(model), device="cpu")
+    try:
+        with torch.no_grad():
+            runner.capture(latents, torch.ones(1))
+            assert runner.stats.entries[0].breaks == ops
+            expected, got = euler(step, latents, 3), euler(runner, latents, 3)
+        assert runner.stats.hits == 3
+        for e, g in zip(expected, got, strict=True):
+            assert torch.equal(e, g)
+    finally:
+        runner.close()
 
 
 def _assert_unpatched() -> None:
