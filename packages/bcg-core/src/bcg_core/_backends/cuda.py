@@ -73,7 +73,10 @@ class CudaBackend:
     def prepare(self) -> None:
         if torch.cuda.is_available():
             RUNTIME.module()
-            make_spare_lane(torch.cuda.current_device())  # about 25 ms, once per device
+            # About 25 ms once per device; never the reason CUDA starts (a process that forks
+            # workers after making graph objects must not have a CUDA context yet).
+            if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+                make_spare_lane(torch.cuda.current_device())
 
     def capture_stream(self, pool: Any, device: Any) -> torch.cuda.Stream:
         index = torch.device(device).index

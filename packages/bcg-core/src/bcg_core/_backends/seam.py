@@ -101,8 +101,9 @@ class GraphBackend(Protocol):
 
     def prepare(self) -> None:
         """Load, once per process, what a first capture would otherwise load inside the capture
-        (the CUDA runtime bindings: about 130 ms on an H200 host; a capture lane: about 25 ms),
-        so capture time is capture."""
+        (the CUDA runtime bindings: about 130 ms on an H200 host; a capture lane, about 25 ms,
+        when CUDA is already initialized), so capture time is capture. Never initializes the
+        device itself."""
         ...
 
     def capture_stream(self, pool: Any, device: Any) -> Any:
