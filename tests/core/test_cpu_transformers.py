@@ -68,16 +68,24 @@ def _prefilled(model: Any, prompt: torch.Tensor) -> Any:
     return cache
 
 
-def decode_through_runner(model: Any, steps: int, device: str = "cpu") -> None:
-    """Greedy decode: the runner's graph against eager on a second cache, bitwise, per step."""
-    prompt = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
+def runner_and_caches(
+    model: Any, prompt: torch.Tensor, device: str = "cpu", **runner_kwargs: Any
+) -> tuple[BreakableGraphRunner, Any, Any]:
+    """A runner decoding one step on a cache prefilled with ``prompt``, that cache, and a
+    second one prefilled alike for the eager reference."""
     cache, reference_cache = _prefilled(model, prompt), _prefilled(model, prompt)
 
     def decode(ids: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
         return logits
 
-    runner = BreakableGraphRunner(decode, device=device)
+    return BreakableGraphRunner(decode, device=device, **runner_kwargs), cache, reference_cache
+
+
+def decode_through_runner(model: Any, steps: int, device: str = "cpu") -> None:
+    """Greedy decode: the runner's graph against eager on a second cache, bitwise, per step."""
+    prompt = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    runner, cache, reference_cache = runner_and_caches(model, prompt, device)
     ids = prompt[:, -1:].flip(0)
     with torch.no_grad():
         saved = [t.clone() for t in cache_tensors(cache)]
@@ -119,12 +127,7 @@ def test_sliding_window_is_refused_and_the_runner_stays_eager() -> None:
         config, attn_implementation=bcg_core.breakable_attention("sdpa"), dtype=torch.float32
     ).eval()
     prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
-    cache, reference_cache = _prefilled(model, prompt), _prefilled(model, prompt)
-    runner = BreakableGraphRunner(
-        lambda ids: model(input_ids=ids, past_key_values=cache, use_cache=True).logits,
-        device="cpu",
-        warmup_iters=0,
-    )
+    runner, cache, reference_cache = runner_and_caches(model, prompt, warmup_iters=0)
     ids = prompt[:, -1:]
     with torch.no_grad():
         saved = [t.clone() for t in cache_tensors(cache)]
@@ -160,12 +163,7 @@ def test_sdpa_break_is_the_kernel_call_alone(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(sdpa_attention, "repeat_kv", counted)
     model = _model("llama", bcg_core.breakable_attention("sdpa"))
     prompt = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1))
-    cache, reference_cache = _prefilled(model, prompt), _prefilled(model, prompt)
-    runner = BreakableGraphRunner(
-        lambda ids: model(input_ids=ids, past_key_values=cache, use_cache=True).logits,
-        device="cpu",
-        warmup_iters=0,
-    )
+    runner, _, reference_cache = runner_and_caches(model, prompt, warmup_iters=0)
     ids = prompt[:, -1:]
     with torch.no_grad():
         runner.capture(ids)

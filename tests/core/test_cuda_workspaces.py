@@ -51,10 +51,14 @@ def _forward(x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _free_and_refill() -> list[torch.Tensor]:
-    """Clear every cuBLAS workspace (what cudagraph trees do), hand freed memory back to the
-    driver, then take as much memory as the freed workspaces were, filled with NaN."""
+    """Clear every cuBLAS workspace (what cudagraph trees do), then :func:`_refill`."""
     torch.cuda.synchronize()
     torch._C._cuda_clearCublasWorkspaces()
+    return _refill()
+
+
+def _refill() -> list[torch.Tensor]:
+    """Hand freed memory back to the driver, then take 512 MiB again, filled with NaN."""
     gc.collect()
     torch.cuda.empty_cache()
     return [torch.full((16 << 20,), float("nan"), device="cuda") for _ in range(8)]
@@ -106,9 +110,7 @@ def test_a_capture_leaves_other_graphs_workspaces_alone() -> None:
             graph = BreakableCUDAGraph()
             with BreakableCUDAGraphCapture(graph):
                 out = _forward(x, w)
-        gc.collect()
-        torch.cuda.empty_cache()
-        junk = [torch.full((16 << 20,), float("nan"), device="cuda") for _ in range(8)]
+        junk = _refill()
         plain.replay()
         graph.replay()
         torch.cuda.synchronize()

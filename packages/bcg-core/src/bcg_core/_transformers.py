@@ -141,11 +141,12 @@ def _make_breakable(
     def attention(module: Any, *args: Any, **kwargs: Any) -> Any:
         if not is_in_breakable_cuda_graph():
             return function(module, *args, **kwargs)
-        if is_breakable_capture_active():
+        capturing = is_breakable_capture_active()
+        if capturing:
             _refuse_sliding_window(module, kwargs)
         if kernel_break is None:
             return as_break(module, *args, **kwargs)
-        if not is_breakable_capture_active():
+        if not capturing:
             return function(module, *args, **kwargs)
         with _KernelAsBreak(kernel_break) as mode:
             out = function(module, *args, **kwargs)

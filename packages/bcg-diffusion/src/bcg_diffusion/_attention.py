@@ -13,11 +13,16 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 from bcg_core import eager_on_graph, is_in_breakable_cuda_graph
-from bcg_diffusion._patching import PatchHandle, combine, patch_attribute, patch_count
+from bcg_diffusion._patching import (
+    PatchHandle,
+    Removable,
+    combine,
+    patch_attribute,
+    patch_count,
+)
 
 _ORIGINAL = "__bcg_original_forward__"
 
@@ -42,7 +47,7 @@ def make_breakable_attention_forward(forward: Callable[..., Any]) -> Callable[..
     return adapted
 
 
-class AttentionPatch:
+class AttentionPatch(Removable):
     """Handle returned by :func:`install_breakable_attention`; :meth:`remove` undoes it (also on
     leaving a ``with`` block). Removing twice is harmless."""
 
@@ -51,17 +56,6 @@ class AttentionPatch:
 
     def remove(self) -> None:
         uninstall_breakable_attention(*self.classes)
-
-    def __enter__(self) -> AttentionPatch:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.remove()
 
 
 def attention_method(cls: type) -> str:

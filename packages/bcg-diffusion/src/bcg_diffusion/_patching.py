@@ -23,7 +23,7 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 logger = logging.getLogger("bcg_diffusion")
 
@@ -55,7 +55,28 @@ _lock = threading.RLock()
 _slots: dict[tuple[int, str], _Slot] = {}
 
 
-class PatchHandle:
+_R = TypeVar("_R", bound="Removable")
+
+
+class Removable:
+    """A handle that :meth:`remove` undoes; leaving a ``with`` block removes it too."""
+
+    def remove(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _R) -> _R:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+
+class PatchHandle(Removable):
     """References on one or more patched attributes. :meth:`remove` releases them (idempotent);
     a ``with`` block releases them on exit. Dropping a handle without removing it keeps its
     patches for the life of the process, as an unreleased reference should."""
@@ -74,17 +95,6 @@ class PatchHandle:
             refs, self._refs = self._refs, []
             for slot, wrap in reversed(refs):
                 _release(slot, wrap)
-
-    def __enter__(self) -> PatchHandle:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.remove()
 
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from bcg_core._backends.cuda_lanes import lease_lane, make_spare_lane
-from bcg_core._backends.cuda_pool import CudaPool, allocate_to_pool
+from bcg_core._backends.cuda_pool import CudaPool, allocate_to_pool, device_index
 from bcg_core._backends.cudart import RUNTIME
 from bcg_core._backends.seam import CaptureInfo, StreamObserver, pool_id
 from bcg_core._errors import CaptureError
@@ -79,8 +79,7 @@ class CudaBackend:
                 make_spare_lane(torch.cuda.current_device())
 
     def capture_stream(self, pool: Any, device: Any) -> torch.cuda.Stream:
-        index = torch.device(device).index
-        lane = lease_lane(pool, torch.cuda.current_device() if index is None else index)
+        lane = lease_lane(pool, device_index(device))
         lane.ensure_workspaces()
         return lane.stream
 

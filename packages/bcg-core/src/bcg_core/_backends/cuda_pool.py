@@ -42,6 +42,13 @@ class CudaPool:
         return f"CudaPool(id={self.id})"
 
 
+def device_index(device: Any) -> int:
+    """The CUDA device index ``device`` names (an index, a string, a ``torch.device``), the
+    current device when it names none."""
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
 _ROUTING_API = (
     "_cuda_beginAllocateCurrentThreadToPool",
     "_cuda_endAllocateToPool",
@@ -74,8 +81,7 @@ def allocate_to_pool(pool: Any, device: Any) -> Iterator[bool]:
         yield False
         return
     begin, end, release = api
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
+    index = device_index(device)
     pid = pool_id(pool)
     # begin takes a reference on the pool and release gives it back, as use_mem_pool does.
     begin(index, pid)
