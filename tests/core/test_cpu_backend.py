@@ -12,6 +12,7 @@ way CUDA refuses it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -443,6 +444,43 @@ def test_swallowed_host_sync_still_fails_the_capture(x: torch.Tensor) -> None:
         _capture(f, graph)
     assert info.value.op.startswith("aten._local_scalar_dense")
     assert not is_breakable_capture_active()
+
+
+@pytest.mark.parametrize("user_disabled", [False, True])
+def test_automatic_collection_paused_in_capture_and_restored(
+    x: torch.Tensor, user_disabled: bool
+) -> None:
+    # Inside a capture a collection could destroy a dead CUDA graph, which invalidates it.
+    if user_disabled:
+        gc.disable()
+    try:
+        seen: list[bool] = []
+
+        def f() -> torch.Tensor:
+            seen.append(gc.isenabled())
+            y = eager_on_graph(_note_gc)(x * 2, seen)
+            seen.append(gc.isenabled())
+            return y + 1
+
+        graph, out = _capture(f)
+        assert seen == [False, False, False]
+        assert gc.isenabled() is not user_disabled
+        with pytest.raises(RuntimeError, match="boom"):
+            _capture(_boom)
+        assert gc.isenabled() is not user_disabled
+        graph.replay()
+        assert torch.equal(out, x * 2 + 1)
+    finally:
+        gc.enable()
+
+
+def _note_gc(t: torch.Tensor, seen: list[bool]) -> torch.Tensor:
+    seen.append(gc.isenabled())
+    return t.clone()
+
+
+def _boom() -> torch.Tensor:
+    raise RuntimeError("boom")
 
 
 def test_dispatch_mode_left_open_across_a_break_fails_cleanly(x: torch.Tensor) -> None:

@@ -4,8 +4,10 @@ capture concurrently in thread_local mode."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -298,3 +300,45 @@ def test_thread_local_captures_in_two_threads() -> None:
             out = outs[i]
             assert out is not None
             torch.testing.assert_close(out, (x * (i + 2) * (i + 1) - 1).sin() + x)
+
+
+# -- garbage collection during capture ---------------------------------------------------------
+
+
+class _Cycle:
+    """An object in a reference cycle: only the cyclic collector frees it (and what it holds)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph = graph
+        self.me = self
+
+
+def test_collection_during_capture_does_not_destroy_a_graph_mid_capture() -> None:
+    # A dead plain graph caught in a cycle (an old runner's, say). If the collector ran inside
+    # the capture, its destructor would destroy a CUDA graph, which invalidates a "global" capture.
+    x = randn(64)
+    old = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(old):
+        x.add(1)
+    dead = weakref.ref(cycle := _Cycle(old))
+    del old, cycle
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)  # any allocation of a container would start a collection
+    try:
+        graph = BreakableCUDAGraph()
+        with BreakableCUDAGraphCapture(graph):
+            assert not gc.isenabled()
+            junk = [[i] for i in range(100)]  # containers: the collector's trigger
+            out = _forward(x)
+        del junk
+    finally:
+        gc.set_threshold(*thresholds)
+    assert gc.isenabled()
+    assert_idle()
+    assert dead() is not None  # nothing was collected during the capture
+    gc.collect()
+    assert dead() is None
+    for _ in range(REPLAYS):
+        refresh(x)
+        graph.replay()
+        torch.testing.assert_close(out, _expected(x))

@@ -20,6 +20,7 @@ from bcg_core._context import active_capture, enter_capture, exit_capture
 from bcg_core._debug import DebugLevel, FreshTensorTracker, debug_level, report_leaks
 from bcg_core._errors import BreakOutputError, CaptureError, UnjoinedStreamError
 from bcg_core._flag import breakable_graphs_disabled, disabled_reason
+from bcg_core._gc_pause import gc_paused
 from bcg_core._graph import BreakableCUDAGraph, BreakStep, SegmentStep, Step
 from bcg_core._streams import StreamTracker, stream_hooks
 
@@ -253,6 +254,9 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
     asks for it (``torch.compiler.config.force_cudagraph_gc``, env ``TORCH_CUDAGRAPH_GC=1``):
     with a serving-sized heap one collection costs more than the whole capture. Nor does it
     synchronise the device: the capturing stream waits for the caller's current stream instead.
+    Automatic garbage collection is paused while the capture is open (a collection could
+    destroy a dead CUDA graph, which invalidates a capture); the collector's state is restored
+    at exit.
 
     Failure modes: bad arguments raise ``TypeError``/``ValueError`` before anything starts; a
     nested capture, a graph that already holds a capture (call ``reset()``), a stream that is
@@ -350,6 +354,7 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
                 faithful=self._faithful,
                 debug=self._debug,
             )
+            stack.enter_context(gc_paused())
             stack.enter_context(backend.stream_context(stream))
             stack.enter_context(stream_hooks(backend))
             token = enter_capture(state, stream.cuda_stream)
