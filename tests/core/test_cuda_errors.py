@@ -320,22 +320,22 @@ def test_collection_during_capture_does_not_destroy_a_graph_mid_capture() -> Non
     old = torch.cuda.CUDAGraph()
     with torch.cuda.graph(old):
         x.add(1)
+    graph = BreakableCUDAGraph()
+    gc.collect()  # a fresh count: nothing collects the cycle before the capture starts
     dead = weakref.ref(cycle := _Cycle(old))
     del old, cycle
     thresholds = gc.get_threshold()
-    gc.set_threshold(1)  # any allocation of a container would start a collection
     try:
-        graph = BreakableCUDAGraph()
         with BreakableCUDAGraphCapture(graph):
-            assert not gc.isenabled()
-            junk = [[i] for i in range(100)]  # containers: the collector's trigger
+            gc.set_threshold(1)  # any new container would start an automatic collection
+            junk = [[i] for i in range(100)]
             out = _forward(x)
-        del junk
+            assert dead() is not None  # nothing was collected inside the capture
     finally:
         gc.set_threshold(*thresholds)
+    del junk
     assert gc.isenabled()
     assert_idle()
-    assert dead() is not None  # nothing was collected during the capture
     gc.collect()
     assert dead() is None
     for _ in range(REPLAYS):
