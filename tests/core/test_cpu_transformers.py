@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import bcg_core
-from bcg_core import BreakableGraphRunner
+from bcg_core import BreakableCUDAGraph, BreakableCUDAGraphCapture, BreakableGraphRunner
+from bcg_core._graph import BreakStep  # noqa: PLC2701
 
 transformers = pytest.importorskip(
     "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
@@ -175,6 +176,46 @@ def test_sdpa_break_is_the_kernel_call_alone(monkeypatch: pytest.MonkeyPatch) ->
         assert calls == [], "a replay ran transformers' attention function, not just the kernel"
         expected = model(input_ids=ids, past_key_values=reference_cache, use_cache=True).logits
     assert torch.equal(got, expected)
+
+
+def captured_breaks(model: Any, device: str = "cpu") -> tuple[list[BreakStep], torch.Tensor, Any]:
+    """One decode step of ``model`` captured after one warm-up step: its breaks, the output,
+    and a cache prefilled alike for the eager reference."""
+    prompt = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    prompt, ids = prompt.to(device), prompt[:, -1:].to(device)
+    spare, cache, reference_cache = (_prefilled(model, prompt) for _ in range(3))
+    graph = BreakableCUDAGraph(backend=torch.device(device).type)
+    with torch.no_grad(), bcg_core.enable_breakable_cuda_graph():
+        model(input_ids=ids, past_key_values=spare, use_cache=True)  # the warm-up
+        with BreakableCUDAGraphCapture(graph):
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        expected = model(input_ids=ids, past_key_values=reference_cache, use_cache=True).logits
+    assert torch.equal(out, expected)
+    return [s for s in graph._steps if isinstance(s, BreakStep)], out, reference_cache
+
+
+def test_sdpa_break_is_the_fused_kernel_with_the_mask_converted_in_the_graph() -> None:
+    """Where torch picks a fused backend, the break is its kernel op alone: the boolean mask's
+    conversion to an additive one (three kernels per layer on CUDA) is captured into the
+    graph, and the kernel gets the converted mask, as inside eager sdpa."""
+    model = _model("llama", bcg_core.breakable_attention("sdpa"))
+    breaks, _, _ = captured_breaks(model)
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert [b.args[0] for b in breaks] == [kernel] * model.config.num_hidden_layers
+    assert all(b.kwargs["attn_mask"].dtype == torch.float32 for b in breaks)
+
+
+def test_sdpa_on_the_math_backend_breaks_at_the_sdpa_call() -> None:
+    """The math backend ends in no single kernel op: the sdpa call is the break, and replays
+    equal eager under the same backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = _model("llama", bcg_core.breakable_attention("sdpa"))
+    with sdpa_kernel(SDPBackend.MATH):
+        breaks, _, _ = captured_breaks(model)
+        assert len(breaks) == model.config.num_hidden_layers
+        assert all(b.args[0] is not None and b.args[0].dim() == 4 for b in breaks)  # query first
+        decode_through_runner(model, steps=3)
 
 
 def test_eager_base_uses_the_models_own_eager_attention() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import bcg_core
 
@@ -12,7 +13,7 @@ pytest.importorskip(
     "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
 )
 
-from test_cpu_transformers import FAMILIES, decode_through_runner
+from test_cpu_transformers import FAMILIES, captured_breaks, decode_through_runner
 
 pytestmark = pytest.mark.cuda
 
@@ -32,3 +33,34 @@ def test_static_cache_decode_replays_equal_eager_on_cuda(family: str) -> None:
         .eval()
     )
     decode_through_runner(model, steps=3, device="cuda")
+
+
+FUSED = {
+    "efficient": (SDPBackend.EFFICIENT_ATTENTION, "_scaled_dot_product_efficient_attention"),
+    "cudnn": (SDPBackend.CUDNN_ATTENTION, "_scaled_dot_product_cudnn_attention"),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(FUSED))
+def test_sdpa_break_is_the_chosen_fused_kernel_on_cuda(backend: str) -> None:
+    """The break is the kernel op of the backend sdpa picks; sdpa's conversion of the boolean
+    mask is in the graph; capture and replays equal eager sdpa on that backend, bitwise."""
+    import transformers
+
+    choice, op = FUSED[backend]
+    torch.manual_seed(0)
+    model = (
+        transformers.AutoModelForCausalLM.from_config(
+            FAMILIES["llama"](),
+            attn_implementation=bcg_core.breakable_attention("sdpa"),
+            dtype=torch.bfloat16,
+        )
+        .to("cuda")
+        .eval()
+    )
+    with sdpa_kernel(choice):
+        breaks, _, _ = captured_breaks(model, "cuda")
+        assert [b.args[0] for b in breaks] == [getattr(torch.ops.aten, op).default] * len(breaks)
+        assert len(breaks) == model.config.num_hidden_layers
+        assert all(b.args[4].dtype == torch.bfloat16 for b in breaks)
+        decode_through_runner(model, steps=3, device="cuda")

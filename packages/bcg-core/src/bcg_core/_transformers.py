@@ -15,6 +15,7 @@ a static cache keeps at fixed addresses.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._python_dispatch
 from torch.overrides import TorchFunctionMode
 
 from bcg_core._breaks import eager_on_graph
@@ -55,9 +57,11 @@ def breakable_attention(base: str = "sdpa") -> str:
 
     While :func:`is_in_breakable_cuda_graph` is true the attention call is one
     ``@eager_on_graph`` break; otherwise it is ``base``'s function, unchanged. For ``sdpa`` the
-    break is the ``scaled_dot_product_attention`` call alone: the rest of the function
-    (``repeat_kv``, the output's transpose and copy) is captured, so a replay runs one eager op
-    per layer. Registering is
+    break is the fused attention kernel alone: the rest of the function (``repeat_kv``, the
+    output's transpose and copy) and what ``scaled_dot_product_attention`` does before its
+    kernel (the boolean mask's conversion) are captured, so a replay runs one kernel op per
+    layer (the ``scaled_dot_product_attention`` call where torch picks its math backend).
+    Registering is
     process-wide, idempotent and additive (no existing name changes).
 
     Raises ``ImportError`` naming the extra when transformers (>= 5) is missing, ``ValueError``
@@ -135,7 +139,8 @@ def _make_breakable(
 ) -> Callable[..., Any]:
     label = f"transformers attention ({name})"
     as_break = eager_on_graph(name=label)(function)
-    kernel_break = eager_on_graph(name=label)(_sdpa) if kernel_only else None
+    sdpa_break = eager_on_graph(name=label)(_sdpa)
+    kernel_break = eager_on_graph(name=label)(_fused_kernel)
     warned: list[bool] = []  # said once per registered name
 
     def attention(module: Any, *args: Any, **kwargs: Any) -> Any:
@@ -144,11 +149,11 @@ def _make_breakable(
         capturing = is_breakable_capture_active()
         if capturing:
             _refuse_sliding_window(module, kwargs)
-        if kernel_break is None:
+        if not kernel_only:
             return as_break(module, *args, **kwargs)
         if not capturing:
             return function(module, *args, **kwargs)
-        with _KernelAsBreak(kernel_break) as mode:
+        with _KernelAsBreak(kernel_break, sdpa_break) as mode:
             out = function(module, *args, **kwargs)
         if mode.calls == 0 and not warned:
             warned.append(True)
@@ -186,21 +191,86 @@ def _refuse_sliding_window(module: Any, kwargs: dict[str, Any]) -> None:
 
 
 def _sdpa(*args: Any, **kwargs: Any) -> Any:
-    """The attention kernel call that ``bcg_sdpa`` makes a break (a Python function, so the
-    break has a name and a replayable callable)."""
+    """The attention call that ``bcg_sdpa`` makes a break when no fused kernel serves it (a
+    Python function, so the break has a name and a replayable callable)."""
     return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
 
 
-class _KernelAsBreak(TorchFunctionMode):
-    """While one sdpa attention call is captured, its ``scaled_dot_product_attention`` call is
-    the break: the rest of transformers' function (``repeat_kv``, mask slicing, the transpose
-    and copy of the output) is captured into the graph, so each replay runs one eager op per
-    layer instead of the whole function. A torch function mode is thread-local: nothing
-    outside this call sees it."""
+def _fused_kernel(kernel: Any, *args: Any, **kwargs: Any) -> Any:
+    """The fused attention kernel ``scaled_dot_product_attention`` chose, as a break: its
+    attention output (the other results, log-sum-exp and RNG state, sdpa discards)."""
+    return kernel(*args, **kwargs)[0]
 
-    def __init__(self, kernel_break: Callable[..., Any]) -> None:
+
+@functools.cache
+def _fused_kernels() -> frozenset[Any]:
+    """The aten ops in which sdpa's fused backends end (flash, CPU flash, memory-efficient,
+    cuDNN, out-of-tree): everything sdpa does before one of them is preparation."""
+    names = (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+    )
+    return frozenset(
+        getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)
+    )
+
+
+_MATH = 0  # torch's SDPBackend numbering: math, then the fused backends
+
+
+def _chooses_fused_kernel(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this sdpa call will end in one fused kernel op: torch's own backend choice for
+    these arguments, on plain tensors that need no gradient (the kernel's other results would
+    be needed for backward)."""
+    bound = _sdpa_arguments(*args, **kwargs)
+    if bound is None:
+        return False
+    q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = bound
+    tensors = (q, k, v) if mask is None else (q, k, v, mask)
+    if any(type(t) is not torch.Tensor or t.is_nested for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    choice = torch._fused_sdp_choice(
+        q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+    return int(choice) != _MATH
+
+
+def _sdpa_arguments(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    **unknown: Any,
+) -> tuple[Any, ...] | None:
+    """``scaled_dot_product_attention``'s arguments, bound by its signature (None for a call
+    this torch's signature does not cover: such a call keeps the whole-sdpa break)."""
+    if unknown:
+        return None
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+class _KernelAsBreak(TorchFunctionMode):
+    """While one sdpa attention call is captured, only its attention kernel is the break: the
+    rest of transformers' function (``repeat_kv``, mask slicing, the transpose and copy of the
+    output) is captured into the graph, and so is what ``scaled_dot_product_attention`` does
+    before its fused kernel (the boolean mask's conversion to an additive one, padding,
+    layout), so each replay runs one kernel op per layer and nothing else. Where torch picks
+    its math backend (no single kernel op), the ``scaled_dot_product_attention`` call is the
+    break. A torch function mode is thread-local: nothing outside this call sees it."""
+
+    def __init__(self, kernel_break: Callable[..., Any], sdpa_break: Callable[..., Any]) -> None:
         super().__init__()
-        self._break = kernel_break
+        self._kernel_break = kernel_break
+        self._sdpa_break = sdpa_break
         self.calls = 0
 
     def __torch_function__(
@@ -210,7 +280,56 @@ class _KernelAsBreak(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            self.calls += 1
-            return self._break(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        self.calls += 1
+        if not _chooses_fused_kernel(args, kwargs):
+            return self._sdpa_break(*args, **kwargs)
+        with _FusedKernelAsBreak(self._kernel_break) as kernel_mode:
+            out = func(*args, **kwargs)
+        if kernel_mode.calls != 1:
+            raise CaptureError(
+                f"bcg: scaled_dot_product_attention reached {kernel_mode.calls} fused attention "
+                "kernels where torch's backend choice promised one, so its attention was not "
+                "made a break as a whole; this torch version is not supported by bcg_sdpa: use "
+                'breakable_attention("eager") (please report the torch version)'
+            )
+        return out
+
+
+class _FusedKernelAsBreak(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Inside one sdpa call under capture: its fused kernel op becomes the break, every other
+    op (sdpa's preparation of the mask and inputs, the slicing of the output) is captured as
+    usual. Same kernel, same arguments as eager sdpa, so replays equal eager bitwise."""
+
+    def __init__(self, kernel_break: Callable[..., Any]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._break = kernel_break
+        self._kernels = _fused_kernels()
+        self.calls = 0
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func not in self._kernels:
+            return func(*args, **kwargs)
+        self.calls += 1
+        out = self._break(func, *args, **kwargs)
+        # sdpa keeps only the attention output; the other results are never read, and a
+        # replay does not return them at all.
+        return (out, *(_unused_result(r.type, out) for r in func._schema.returns[1:]))
+
+
+def _unused_result(kind: Any, like: torch.Tensor) -> Any:
+    text = str(kind)
+    if text == "Tensor":
+        return like.new_empty(0)
+    if text.endswith("?"):
+        return None
+    return 0
