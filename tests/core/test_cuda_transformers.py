@@ -49,9 +49,11 @@ def test_sdpa_break_is_the_chosen_fused_kernel_on_cuda(backend: str) -> None:
 
     choice, op = FUSED[backend]
     torch.manual_seed(0)
+    config = FAMILIES["llama"]()
+    config.num_key_value_heads = config.num_attention_heads  # the efficient kernel has no GQA
     model = (
         transformers.AutoModelForCausalLM.from_config(
-            FAMILIES["llama"](),
+            config,
             attn_implementation=bcg_core.breakable_attention("sdpa"),
             dtype=torch.bfloat16,
         )
