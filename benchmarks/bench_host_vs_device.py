@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import transformers
 
-from bcg_core import BreakableGraphRunner, breakable_attention
+from bcg_core import BreakableGraphRunner
 from bcg_core.bench import _hf_llama  # noqa: PLC2701
 
 
@@ -55,19 +55,11 @@ def _device_time(fn: Callable[[], object], steps: int = 50) -> float:
 
 
 def main() -> None:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
-        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096,
-    )  # fmt: skip
-    llama = transformers.LlamaForCausalLM._from_config(
-        config, attn_implementation=breakable_attention("sdpa"), dtype=torch.bfloat16
-    )
-    model = llama.cuda().eval()
+    model, context, batches = _hf_llama._llama(transformers, torch.device("cuda"), smoke=False)
     print("load average", os.getloadavg(), "cpus", os.cpu_count(), flush=True)
     with torch.no_grad():
-        for batch in (1, 8):
-            step = _hf_llama._decode_step(transformers, model, batch, 1024)
+        for batch in batches:
+            step = _hf_llama._decode_step(transformers, model, batch, context)
             runner = BreakableGraphRunner(step, device="cuda", return_views=True)
             runner.capture()
             graph = torch.cuda.CUDAGraph()

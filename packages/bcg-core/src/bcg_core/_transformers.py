@@ -291,8 +291,8 @@ class _KernelAsBreak(TorchFunctionMode):
         if kernel_mode.calls != 1:
             raise CaptureError(
                 f"bcg: scaled_dot_product_attention reached {kernel_mode.calls} fused attention "
-                "kernels where torch's backend choice promised one, so its attention was not "
-                "made a break as a whole; this torch version is not supported by bcg_sdpa: use "
+                "kernels where torch's backend choice promised one, so bcg_sdpa cannot make its "
+                "kernel the break on this torch version; use "
                 'breakable_attention("eager") (please report the torch version)'
             )
         return out

@@ -42,8 +42,20 @@ def hf_llama_workload(ctx: BenchContext) -> list[Measurement]:
     except ImportError:
         why = 'transformers is not installed (pip install "bcg-core[transformers]")'
         return [Measurement(WORKLOAD, "-", c, None, skipped=why) for c in CONTENDERS]
-    cuda = ctx.device.type == "cuda"
-    if ctx.smoke:
+    model, context, batches = _llama(transformers, ctx.device, ctx.smoke)
+    out: list[Measurement] = []
+    for batch in batches:
+        out += _case(ctx, transformers, model, batch, context)
+    return out
+
+
+def _llama(
+    transformers: Any, device: torch.device, smoke: bool
+) -> tuple[Any, int, tuple[int, ...]]:
+    """The workload's model (``bcg_sdpa`` attention, seeded random weights, on ``device``), its
+    cache length and its batch sizes: the bench size, or a tiny one for ``--smoke``."""
+    cuda = device.type == "cuda"
+    if smoke:
         config = transformers.LlamaConfig(
             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
@@ -58,11 +70,7 @@ def hf_llama_workload(ctx: BenchContext) -> list[Measurement]:
     torch.manual_seed(0)
     llama: Any = transformers.LlamaForCausalLM  # untyped library
     model = llama._from_config(config, attn_implementation=breakable_attention("sdpa"), dtype=dtype)
-    model = model.to(ctx.device).eval()
-    out: list[Measurement] = []
-    for batch in batches:
-        out += _case(ctx, transformers, model, batch, context)
-    return out
+    return model.to(device).eval(), context, batches
 
 
 def _decode_step(
