@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from bcg_core import is_breakable_capture_active
-from bcg_core._streams import hooks_installed  # noqa: PLC2701
+from bcg_core._capture.streams import hooks_installed  # noqa: PLC2701
 
 
 def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

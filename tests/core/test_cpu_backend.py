@@ -40,9 +40,9 @@ from bcg_core import (
 )
 from bcg_core._backends import backend_for  # noqa: PLC2701
 from bcg_core._backends.cpu import CpuBackend, CpuStream  # noqa: PLC2701
-from bcg_core._check import CaptureReport  # noqa: PLC2701
+from bcg_core._capture.streams import hooks_installed  # noqa: PLC2701
+from bcg_core._diagnostics.check import CaptureReport  # noqa: PLC2701
 from bcg_core._errors import HostSyncError  # noqa: PLC2701
-from bcg_core._streams import hooks_installed  # noqa: PLC2701
 from bcg_core.bench import ToyDecoder, tiny_config
 
 REPLAYS = 4

@@ -24,7 +24,7 @@ import torch
 from graph_helpers import capture, device_graph
 
 from bcg_core import BreakableCUDAGraph, eager_on_graph
-from bcg_core._bridges import Bridge, PoolAddresses  # noqa: PLC2701
+from bcg_core._capture.bridges import Bridge, PoolAddresses  # noqa: PLC2701
 
 HIDDEN = 32
 ROWS = [64, 56, 48, 40, 32, 24, 16, 8]  # largest first, as serving engines capture

@@ -28,11 +28,11 @@ from bcg_core import (
     is_breakable_capture_active,
     is_in_breakable_cuda_graph,
 )
-from bcg_core._aliases import alias_tensor, alias_tree  # noqa: PLC2701
 from bcg_core._backends import CaptureStatus, backend_for  # noqa: PLC2701
 from bcg_core._backends.cudart import CudaRuntimeError, parse_capture_info  # noqa: PLC2701
-from bcg_core._bridges import Bridge  # noqa: PLC2701
-from bcg_core._streams import hooks_installed, stream_hooks  # noqa: PLC2701
+from bcg_core._capture.aliases import alias_tensor, alias_tree  # noqa: PLC2701
+from bcg_core._capture.bridges import Bridge  # noqa: PLC2701
+from bcg_core._capture.streams import hooks_installed, stream_hooks  # noqa: PLC2701
 from bcg_core._trees import tensor_leaves  # noqa: PLC2701
 
 # -- runtime flag ------------------------------------------------------------------------------

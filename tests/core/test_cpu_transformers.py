@@ -20,7 +20,7 @@ import torch
 
 import bcg_core
 from bcg_core import BreakableCUDAGraph, BreakableCUDAGraphCapture, BreakableGraphRunner
-from bcg_core._graph import BreakStep  # noqa: PLC2701
+from bcg_core._capture.graph import BreakStep  # noqa: PLC2701
 
 transformers = pytest.importorskip(
     "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'

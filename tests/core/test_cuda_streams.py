@@ -12,9 +12,9 @@ from bcg_core import (
     BreakableCUDAGraphCapture,
     ReplayError,
     UnjoinedStreamError,
-    _streams,  # noqa: PLC2701
     eager_on_graph,
 )
+from bcg_core._capture.streams import hooks_installed  # noqa: PLC2701
 
 pytestmark = pytest.mark.cuda
 
@@ -250,22 +250,22 @@ def test_break_returning_side_stream_result_is_bridged_after_the_join() -> None:
 def test_hooks_installed_only_while_capturing() -> None:
     x = randn(16)
     original_record = torch.cuda.Event.record
-    assert not _streams.hooks_installed()
+    assert not hooks_installed()
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph):
-        during = _streams.hooks_installed()
+        during = hooks_installed()
         y = halve(x + 1)
-        in_break_after = _streams.hooks_installed()
+        in_break_after = hooks_installed()
         out = y + 1
     assert during and in_break_after
-    assert not _streams.hooks_installed()
+    assert not hooks_installed()
     assert torch.cuda.Event.record is original_record
 
     failed = BreakableCUDAGraph()
     with pytest.raises(RuntimeError, match="inside capture"), BreakableCUDAGraphCapture(failed):
-        assert _streams.hooks_installed()
+        assert hooks_installed()
         raise RuntimeError("inside capture")
-    assert not _streams.hooks_installed()
+    assert not hooks_installed()
     assert torch.cuda.Event.record is original_record
     assert_idle()
     for _ in range(REPLAYS):

@@ -14,10 +14,10 @@ from torch import nn
 from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
-    _streams,  # noqa: PLC2701
     eager_on_graph,
     is_breakable_capture_active,
 )
+from bcg_core._capture.streams import hooks_installed  # noqa: PLC2701
 
 pytestmark = pytest.mark.cuda
 
@@ -159,7 +159,7 @@ def test_whole_training_step_with_breaks_in_forward_and_backward() -> None:
         static_loss = train_step(model, static_x, static_t)
     assert calls == [("forward", True), ("backward", True)]
     assert not is_breakable_capture_active()
-    assert not _streams.hooks_installed()
+    assert not hooks_installed()
     _check_steps(graph, model, reference, (static_x, static_t), static_loss)
 
 
@@ -183,7 +183,7 @@ def test_backward_break_in_global_mode_works_or_fails_cleanly() -> None:
         assert "thread" in str(exc).lower()
         assert not graph.is_captured
         assert not is_breakable_capture_active()
-        assert not _streams.hooks_installed()
+        assert not hooks_installed()
         assert torch.cuda.current_stream().cuda_stream == torch.cuda.default_stream().cuda_stream
         assert not _is_capturing(stream), "the capturing stream was left in capture mode"
         torch.cuda.synchronize()

@@ -22,7 +22,7 @@ from bcg_core import (
     enable_breakable_cuda_graph,
     is_breakable_capture_active,
 )
-from bcg_core._streams import hooks_installed  # noqa: PLC2701
+from bcg_core._capture.streams import hooks_installed  # noqa: PLC2701
 from bcg_core.bench import main
 
 

@@ -11,13 +11,20 @@ Capture a forward as CUDA graph segments separated by eager break points::
 See DESIGN.md for the invariants (pool ownership, what a break may return, side streams).
 """
 
-from bcg_core._breaks import break_graph, eager_on_graph
-from bcg_core._capture import BreakableCUDAGraphCapture
-from bcg_core._check import check_capture
-from bcg_core._context import get_current_stream, is_breakable_capture_active
-from bcg_core._debug import keep_alive_ok
-from bcg_core._divergence import check_divergence
-from bcg_core._divergence_report import DivergenceReport, TensorDiff
+from bcg_core._capture.breaks import break_graph, eager_on_graph
+from bcg_core._capture.capture import BreakableCUDAGraphCapture
+from bcg_core._capture.context import get_current_stream, is_breakable_capture_active
+from bcg_core._capture.debug import keep_alive_ok
+from bcg_core._capture.flag import (
+    breakable_graphs_disabled,
+    disable_breakable_graphs,
+    enable_breakable_cuda_graph,
+    is_in_breakable_cuda_graph,
+)
+from bcg_core._capture.graph import BreakableCUDAGraph
+from bcg_core._diagnostics.check import check_capture
+from bcg_core._diagnostics.divergence import check_divergence
+from bcg_core._diagnostics.divergence_report import DivergenceReport, TensorDiff
 from bcg_core._errors import (
     BCG_FAILURE_HINT,
     BreakableGraphError,
@@ -26,16 +33,9 @@ from bcg_core._errors import (
     ReplayError,
     UnjoinedStreamError,
 )
-from bcg_core._flag import (
-    breakable_graphs_disabled,
-    disable_breakable_graphs,
-    enable_breakable_cuda_graph,
-    is_in_breakable_cuda_graph,
-)
-from bcg_core._graph import BreakableCUDAGraph
-from bcg_core._runner import BreakableGraphRunner, EntryStats, RunnerStats
+from bcg_core._integrations.transformers import breakable_attention
+from bcg_core._runner.runner import BreakableGraphRunner, EntryStats, RunnerStats
 from bcg_core._signature import describe_difference, signature_of
-from bcg_core._transformers import breakable_attention
 from bcg_core._version import __version__
 
 __all__ = [

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from bcg_core._backends import GraphBackend
-from bcg_core._context import active_capture
+from bcg_core._capture.context import active_capture
 
 
 class StreamTracker:

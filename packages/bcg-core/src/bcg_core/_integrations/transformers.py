@@ -26,10 +26,10 @@ import torch
 import torch.utils._python_dispatch
 from torch.overrides import TorchFunctionMode
 
-from bcg_core._breaks import eager_on_graph
-from bcg_core._context import is_breakable_capture_active
+from bcg_core._capture.breaks import eager_on_graph
+from bcg_core._capture.context import is_breakable_capture_active
+from bcg_core._capture.flag import is_in_breakable_cuda_graph
 from bcg_core._errors import CaptureError
-from bcg_core._flag import is_in_breakable_cuda_graph
 
 logger = logging.getLogger("bcg_core")
 

@@ -15,20 +15,20 @@ import torch
 
 from bcg_core import _trees
 from bcg_core._backends import backend_for
-from bcg_core._capture import BreakableCUDAGraphCapture
-from bcg_core._divergence import runner_divergence
-from bcg_core._divergence_report import DivergenceReport
-from bcg_core._flag import (
+from bcg_core._capture.capture import BreakableCUDAGraphCapture
+from bcg_core._capture.flag import (
     breakable_graphs_disabled,
     disabled_reason,
     enable_breakable_cuda_graph,
     flag_on,
     flag_reset,
 )
-from bcg_core._graph import BreakableCUDAGraph
-from bcg_core._runner_entry import Entry
-from bcg_core._runner_pool import PoolTurn, share_turn
-from bcg_core._scalars import ScalarSlots
+from bcg_core._capture.graph import BreakableCUDAGraph
+from bcg_core._diagnostics.divergence import runner_divergence
+from bcg_core._diagnostics.divergence_report import DivergenceReport
+from bcg_core._runner.entry import Entry
+from bcg_core._runner.pool import PoolTurn, share_turn
+from bcg_core._runner.scalars import ScalarSlots
 from bcg_core._signature import (
     Signature,
     describe_difference,

@@ -18,7 +18,7 @@ import torch
 from bcg_core._backends import backend_for
 
 if TYPE_CHECKING:
-    from bcg_core._capture import CaptureState
+    from bcg_core._capture.capture import CaptureState
 
 _CAPTURE: ContextVar[CaptureState | None] = ContextVar("bcg_core_capture", default=None)
 

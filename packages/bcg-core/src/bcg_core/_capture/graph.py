@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from bcg_core._backends import GraphBackend, Segment, backend_for
-from bcg_core._bridges import Bridge
-from bcg_core._context import active_capture
+from bcg_core._capture.bridges import Bridge
+from bcg_core._capture.context import active_capture
+from bcg_core._capture.profile import named, profile_enabled
 from bcg_core._errors import CaptureError, ReplayError
-from bcg_core._profile import named, profile_enabled
 
 
 @dataclass(frozen=True)

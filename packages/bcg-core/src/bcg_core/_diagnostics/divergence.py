@@ -26,13 +26,13 @@ import torch
 
 from bcg_core import _trees
 from bcg_core._backends import backend_for, record_source_locations
-from bcg_core._breaks import observe_breaks
-from bcg_core._capture import BreakableCUDAGraphCapture
-from bcg_core._context import active_capture
-from bcg_core._divergence_report import Cause, DivergenceReport, Status, TensorDiff
+from bcg_core._capture.breaks import observe_breaks
+from bcg_core._capture.capture import BreakableCUDAGraphCapture
+from bcg_core._capture.context import active_capture
+from bcg_core._capture.flag import enable_breakable_cuda_graph
+from bcg_core._capture.graph import BreakableCUDAGraph, BreakStep, SegmentStep
+from bcg_core._diagnostics.divergence_report import Cause, DivergenceReport, Status, TensorDiff
 from bcg_core._errors import CaptureError
-from bcg_core._flag import enable_breakable_cuda_graph
-from bcg_core._graph import BreakableCUDAGraph, BreakStep, SegmentStep
 from bcg_core._signature import Signature, flatten_signature, signature_and_tensors, static_call
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]

@@ -28,8 +28,8 @@ from typing import Any, cast
 import torch
 
 from bcg_core import _trees
-from bcg_core._aliases import alias_tensor
 from bcg_core._backends import GraphBackend
+from bcg_core._capture.aliases import alias_tensor
 from bcg_core._errors import BreakOutputError
 
 

@@ -6,10 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bcg_core._capture import BreakableCUDAGraphCapture
+from bcg_core._capture.capture import BreakableCUDAGraphCapture
+from bcg_core._capture.flag import enable_breakable_cuda_graph
+from bcg_core._capture.graph import BreakableCUDAGraph
 from bcg_core._errors import BreakableGraphError, HostSyncError
-from bcg_core._flag import enable_breakable_cuda_graph
-from bcg_core._graph import BreakableCUDAGraph
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,16 @@ from typing import Any
 
 import torch
 
-from bcg_core._aliases import alias_tree
 from bcg_core._backends import CaptureStatus, GraphBackend, Segment
-from bcg_core._bridges import Bridge, PoolAddresses, contains_device_tensor
-from bcg_core._context import active_capture, enter_capture, exit_capture
-from bcg_core._debug import DebugLevel, FreshTensorTracker, debug_level, report_leaks
+from bcg_core._capture.aliases import alias_tree
+from bcg_core._capture.bridges import Bridge, PoolAddresses, contains_device_tensor
+from bcg_core._capture.context import active_capture, enter_capture, exit_capture
+from bcg_core._capture.debug import DebugLevel, FreshTensorTracker, debug_level, report_leaks
+from bcg_core._capture.flag import breakable_graphs_disabled, disabled_reason
+from bcg_core._capture.gc_pause import gc_paused
+from bcg_core._capture.graph import BreakableCUDAGraph, BreakStep, SegmentStep, Step
+from bcg_core._capture.streams import StreamTracker, stream_hooks
 from bcg_core._errors import BreakOutputError, CaptureError, UnjoinedStreamError
-from bcg_core._flag import breakable_graphs_disabled, disabled_reason
-from bcg_core._gc_pause import gc_paused
-from bcg_core._graph import BreakableCUDAGraph, BreakStep, SegmentStep, Step
-from bcg_core._streams import StreamTracker, stream_hooks
 
 logger = logging.getLogger("bcg_core")
 

@@ -11,7 +11,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from bcg_core._context import active_capture
+from bcg_core._capture.context import active_capture
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from bcg_core import _trees
-from bcg_core._graph import BreakableCUDAGraph
+from bcg_core._capture.graph import BreakableCUDAGraph
 
 
 def _cloner(output: Any) -> Callable[[], Any]:
