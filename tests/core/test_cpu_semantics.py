@@ -151,7 +151,7 @@ def test_alias_tree_keeps_structure_and_passes_cpu_through() -> None:
     Pair = namedtuple("Pair", "a b")
     x = torch.ones(2)
     tree: Any = {"p": Pair(x, 3), "l": [x, "s"], "t": (x,)}
-    out = alias_tree(tree)
+    out = alias_tree(tree, frozenset({"cuda"}))
     assert isinstance(out["p"], Pair) and out["p"].b == 3
     assert out["p"].a is x and out["l"][0] is x and out["t"][0] is x  # CPU: unchanged
     forced = alias_tree(tree, frozenset({"cpu"}))

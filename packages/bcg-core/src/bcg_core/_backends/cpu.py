@@ -140,11 +140,6 @@ class CpuSegment:
         return None if self._recorder is None else self._recorder.capture_id
 
     @property
-    def num_steps(self) -> int:
-        """Operations run per replay (views and allocations excluded)."""
-        return len(self._steps)
-
-    @property
     def source_locations(self) -> tuple[str, ...]:
         """The distinct user source lines (``file:line``, in first-use order) of this segment's
         operations; empty unless captured inside ``record_source_locations()``."""
@@ -208,6 +203,7 @@ class CpuBackend:
 
     name = "cpu"
     device_type = "cpu"
+    alias_device_types: frozenset[str] = frozenset()
     executes_at_capture = True
 
     def is_available(self) -> bool:

@@ -1,6 +1,6 @@
 """Recording the aten operations of one CPU graph segment, and re-running them at replay.
 
-The CPU graph backend (``_cpu_backend.py``) captures a segment with a :class:`Recorder`, a
+The CPU graph backend (``cpu.py``) captures a segment with a :class:`Recorder`, a
 ``TorchDispatchMode`` that sees every aten operation the segment issues on the capturing thread,
 below autograd. Every operation runs at capture (so capture produces real values) and becomes
 zero or one *replay step*:
@@ -47,6 +47,7 @@ from typing import Any, NoReturn
 import torch
 import torch.utils._python_dispatch
 
+from bcg_core._compare import bitwise_equal
 from bcg_core._errors import CaptureError, HostSyncError, ReplayError
 from bcg_core._trees import map_tensors, tensor_leaves
 
@@ -223,23 +224,6 @@ def _frozen_view(t: torch.Tensor) -> torch.Tensor:
         return t
 
 
-_INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    try:
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return False
-        if a.is_complex():
-            a, b = torch.view_as_real(a), torch.view_as_real(b)
-        view = _INT_VIEWS.get(a.element_size()) if a.dtype is not torch.bool else None
-        if view is None:
-            return torch.equal(a, b)
-        return torch.equal(a.view(view), b.view(view))
-    except RuntimeError:
-        return False
-
-
 _out_overloads: dict[Any, tuple[Any, tuple[str, ...]] | None] = {}
 
 
@@ -294,7 +278,7 @@ def _out_variant_step(
     got, want = _tensors(scratch), _tensors(returns)
     if before != [(_storage_ptr(t), t.stride()) for t in got]:
         return None  # the out= overload resized its output: not the same computation
-    if len(got) != len(want) or not all(map(_bitwise_equal, got, want)):
+    if len(got) != len(want) or not all(map(bitwise_equal, got, want)):
         return None
     outs = {n: _snapshot(r) for n, r in zip(names, returns, strict=True)}
     return functools.partial(overload._op, *args, **kwargs, **outs)

@@ -65,6 +65,7 @@ class CudaBackend:
 
     name = "cuda"
     device_type = "cuda"
+    alias_device_types = frozenset({"cuda"})
     executes_at_capture = False
 
     def is_available(self) -> bool:

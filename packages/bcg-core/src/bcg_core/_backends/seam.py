@@ -87,6 +87,10 @@ class GraphBackend(Protocol):
     name: str
     device_type: str
     """The ``torch.device`` type of the tensors this backend captures ("cuda", "cpu")."""
+    alias_device_types: frozenset[str]
+    """Device types whose tensors a recorded break holds by alias (a non-owning tensor over the
+    same memory) rather than by reference, so a graph never keeps a pool block alive that the
+    code around it freed (CUDA: {"cuda"}; CPU: none, its recorded segments hold tensors anyway)."""
     executes_at_capture: bool
     """True when recording a segment also runs it (CPU), so a faithful capture must not launch
     it again; False when capture only records (CUDA)."""

@@ -36,7 +36,7 @@ def alias_tensor(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def alias_tree(obj: Any, device_types: frozenset[str] = frozenset({"cuda"})) -> Any:
+def alias_tree(obj: Any, device_types: frozenset[str]) -> Any:
     """``obj`` with every tensor on ``device_types`` replaced by :func:`alias_tensor`."""
 
     def leaf(t: torch.Tensor) -> torch.Tensor:

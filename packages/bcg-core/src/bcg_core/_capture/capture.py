@@ -204,8 +204,8 @@ class CaptureState:
             BreakStep(
                 name=name,
                 fn=fn,
-                args=alias_tree(args),
-                kwargs=alias_tree(kwargs),
+                args=alias_tree(args, self.backend.alias_device_types),
+                kwargs=alias_tree(kwargs, self.backend.alias_device_types),
                 bridge=bridge,
                 side_streams=side_streams,
                 backend=self.backend,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bcg_core._backends import backend_for
+from bcg_core._backends import current_stream
 
 if TYPE_CHECKING:
     from bcg_core._capture.capture import CaptureState
@@ -70,11 +70,4 @@ def get_current_stream(device: torch.device | str | int | None = None) -> Any:
     if state is not None:
         return state.stream
     # Replay runs on the caller's current stream and never switches, so this is the replay stream.
-    cuda = backend_for("cuda")
-    try:
-        return cuda.current_stream(device)
-    except (AssertionError, RuntimeError):
-        if cuda.is_available():
-            raise
-        # No usable CUDA: CPU graphs replay on the CPU backend's current stream.
-        return backend_for("cpu").current_stream(device)
+    return current_stream(device)

@@ -11,7 +11,6 @@ was created by the break's ops) and :func:`report_leaks` names the ones still al
 from __future__ import annotations
 
 import enum
-import os
 import warnings
 from contextvars import ContextVar
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 import torch.utils._python_dispatch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from bcg_core._env import FALSE_WORDS, TRUE_WORDS, env_word
 from bcg_core._errors import CaptureError
 from bcg_core._trees import tensor_leaves
 
@@ -32,8 +32,7 @@ class DebugLevel(enum.IntEnum):
     STRICT = 2
 
 
-_ON = {"1", "true", "yes", "on", "warn"}
-_OFF = {"", "0", "false", "no", "off"}
+_ON = TRUE_WORDS | {"warn"}
 
 
 def debug_level(option: bool | str | None = None) -> DebugLevel:
@@ -45,12 +44,12 @@ def debug_level(option: bool | str | None = None) -> DebugLevel:
     if isinstance(option, bool):
         return DebugLevel.WARN if option else DebugLevel.OFF
     source = "debug" if option is not None else "BCG_DEBUG"
-    value = (option if option is not None else os.environ.get("BCG_DEBUG", "")).strip().lower()
+    value = option.strip().lower() if option is not None else env_word("BCG_DEBUG")
     if value == "strict":
         return DebugLevel.STRICT
     if value in _ON:
         return DebugLevel.WARN
-    if value in _OFF:
+    if value in FALSE_WORDS:
         return DebugLevel.OFF
     raise ValueError(f"{source} must be a bool, 'warn' or 'strict' (or 1/0), got {value!r}")
 

@@ -15,23 +15,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from contextvars import ContextVar, Token
 
+from bcg_core._env import env_flag, env_word
 from bcg_core._errors import BCG_FAILURE_HINT
 
 logger = logging.getLogger("bcg_core")
 
 _ENABLED: ContextVar[bool] = ContextVar("bcg_core_enabled", default=False)
 _DISABLED: ContextVar[bool] = ContextVar("bcg_core_disabled", default=False)
-_TRUE = frozenset({"1", "true", "yes", "on"})
 
 
 def bcg_disabled_by_env() -> bool:
     """True when ``BCG_DISABLE`` is set to a true value (1, true, yes, on)."""
-    value = os.environ.get("BCG_DISABLE")  # read at every call: a runner's hot path
-    return value is not None and value.strip().lower() in _TRUE
+    return env_flag("BCG_DISABLE")
 
 
 def breakable_graphs_disabled() -> bool:
@@ -43,7 +41,7 @@ def breakable_graphs_disabled() -> bool:
 def disabled_reason() -> str:
     """Why :func:`breakable_graphs_disabled` is true, in words (for log lines and errors)."""
     if bcg_disabled_by_env():
-        return f"BCG_DISABLE={os.environ.get('BCG_DISABLE', '').strip()} is set"
+        return f"BCG_DISABLE={env_word('BCG_DISABLE')} is set"
     return "the call is inside disable_breakable_graphs()"
 
 

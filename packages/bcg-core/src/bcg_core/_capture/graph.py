@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from bcg_core._backends import GraphBackend, Segment, backend_for
+from bcg_core._backends import GraphBackend, Segment, backend_named
 from bcg_core._capture.bridges import Bridge
 from bcg_core._capture.context import active_capture
 from bcg_core._capture.profile import named, profile_enabled
@@ -72,9 +72,6 @@ def _step_names(steps: Sequence[Step]) -> list[str]:
     return names
 
 
-GRAPH_BACKENDS = ("cuda", "cpu")
-
-
 class _State(enum.Enum):
     EMPTY = "empty"
     CAPTURING = "capturing"
@@ -116,11 +113,7 @@ class BreakableCUDAGraph:
     def __init__(
         self, pool: Any = None, *, backend: str = "cuda", profile: bool | None = None
     ) -> None:
-        if backend not in GRAPH_BACKENDS:
-            raise ValueError(
-                f"backend must be 'cuda' or 'cpu' (the device whose graphs are captured), got "
-                f"{backend!r}"
-            )
+        graph_backend = backend_named(backend)
         if profile is not None and not isinstance(profile, bool):
             raise TypeError(f"profile must be a bool or None, got {profile!r}")
         self._profile = profile
@@ -129,7 +122,7 @@ class BreakableCUDAGraph:
         self._steps: tuple[Step, ...] = ()
         self._dropped: tuple[Segment, ...] = ()
         self._plan: tuple[Callable[[], Any], ...] = ()
-        self._backend: GraphBackend = backend_for(backend)
+        self._backend: GraphBackend = graph_backend
         self._backend.prepare()
         self._pool = pool
         self._owns_pool = pool is None

@@ -8,20 +8,20 @@ wrapped so it runs inside ``torch.profiler.record_function`` and the backend's d
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from bcg_core._backends import GraphBackend
+from bcg_core._env import env_flag
 
 
 def profile_enabled(option: bool | None) -> bool:
     """``option``, or when None whether ``BCG_PROFILE`` is set to 1/true/yes/on."""
     if option is not None:
         return option
-    return os.environ.get("BCG_PROFILE", "").strip().lower() in {"1", "true", "yes", "on"}
+    return env_flag("BCG_PROFILE")
 
 
 def named(launch: Callable[[], Any], name: str, backend: GraphBackend) -> Callable[[], None]:

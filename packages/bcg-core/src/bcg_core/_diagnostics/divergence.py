@@ -25,12 +25,18 @@ from typing import Any
 import torch
 
 from bcg_core import _trees
-from bcg_core._backends import backend_for, record_source_locations
+from bcg_core._backends import (
+    backend_for,
+    backend_for_tensors,
+    backend_named,
+    record_source_locations,
+)
 from bcg_core._capture.breaks import observe_breaks
 from bcg_core._capture.capture import BreakableCUDAGraphCapture
 from bcg_core._capture.context import active_capture
 from bcg_core._capture.flag import enable_breakable_cuda_graph
 from bcg_core._capture.graph import BreakableCUDAGraph, BreakStep, SegmentStep
+from bcg_core._compare import bitwise_equal
 from bcg_core._diagnostics.divergence_report import Cause, DivergenceReport, Status, TensorDiff
 from bcg_core._errors import CaptureError
 from bcg_core._signature import Signature, flatten_signature, signature_and_tensors, static_call
@@ -410,22 +416,16 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-_INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _tensor_diff(x: torch.Tensor, y: torch.Tensor, atol: float, rtol: float) -> float | None:
     """None when ``x`` and ``y`` (same shape and dtype) are equal — bitwise when atol and rtol
     are 0, else within ``atol + rtol * |x|`` (NaNs equal) — else max |x - y|."""
+    if atol == 0 and rtol == 0 and bitwise_equal(x, y):
+        return None
     if x.is_complex():
         x, y = torch.view_as_real(x), torch.view_as_real(y)
     if x.dtype is torch.bool:
         x, y = x.to(torch.uint8), y.to(torch.uint8)
-    if atol == 0 and rtol == 0:
-        view = _INT_VIEWS.get(x.element_size())
-        equal = torch.equal(x.view(view), y.view(view)) if view else torch.equal(x, y)
-    else:
-        equal = bool(torch.isclose(y, x, rtol=rtol, atol=atol, equal_nan=True).all())
-    if equal:
+    if (atol or rtol) and bool(torch.isclose(y, x, rtol=rtol, atol=atol, equal_nan=True).all()):
         return None
     xd, yd = x.double(), y.double()
     nan_x, nan_y = torch.isnan(xd), torch.isnan(yd)
@@ -453,11 +453,8 @@ def _resolve(entry: InputSet) -> Call:
 
 def _pick_backend(backend: str | None, call: Call) -> str:
     if backend is None:
-        cuda = any(t.is_cuda for t in _trees.tensor_leaves(call))
-        return "cuda" if cuda else "cpu"
-    if backend not in ("cpu", "cuda"):
-        raise ValueError(f"backend must be 'cpu', 'cuda' or None, got {backend!r}")
-    return backend
+        return backend_for_tensors(_trees.tensor_leaves(call)).name
+    return backend_named(backend).name
 
 
 def _check_same_shapes(sig0: Signature, call: Call, index: int) -> list[torch.Tensor]:

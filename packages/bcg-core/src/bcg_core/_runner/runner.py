@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 
 from bcg_core import _trees
-from bcg_core._backends import backend_for
+from bcg_core._backends import backend_for_device
 from bcg_core._capture.capture import BreakableCUDAGraphCapture
 from bcg_core._capture.flag import (
     breakable_graphs_disabled,
@@ -158,8 +158,7 @@ class BreakableGraphRunner:
         self.return_views = return_views
         self.replay_context = replay_context
         self.disabled_reason: str | None = None
-        # device="cpu" captures CPU graphs; every other device goes to the CUDA backend.
-        self._graph_backend = backend_for("cpu" if self.device.type == "cpu" else "cuda")
+        self._graph_backend = backend_for_device(self.device)
         self._pool = pool
         self._owns_pool = pool is None
         turn = PoolTurn(self._graph_backend)
@@ -383,7 +382,7 @@ class BreakableGraphRunner:
             else:
                 buf = torch.empty_like(t, device=device)
                 buf.copy_(t)
-                if t.dim() == 0 and t.device.type == "cpu" and buf.device.type != "cpu":
+                if t.dim() == 0 and t.is_cpu and not buf.is_cpu:
                     fill.append(len(statics))
             statics.append(buf)
             return buf
