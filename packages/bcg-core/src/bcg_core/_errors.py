@@ -15,24 +15,61 @@ BCG_FAILURE_HINT = (
 
 
 class BreakableGraphError(RuntimeError):
-    """Base class for errors raised by bcg_core itself (never for errors raised by user code)."""
+    """Base class for errors raised by bcg_core itself (never for errors raised by user code).
+
+    Catch it to tell bcg's own failures from the model's. Every subclass leaves no capture state
+    behind: the graph is reset, the stream is out of capture mode and the flag is restored. To
+    rule bcg out, rerun with ``BCG_DISABLE=1``; to find the failing break, set ``BCG_DEBUG=1``
+    (see :data:`BCG_FAILURE_HINT`).
+    """
 
 
 class CaptureError(BreakableGraphError):
-    """A breakable capture could not start, or could not finish (nothing is left half-open)."""
+    """A breakable capture could not start, or could not finish (nothing is left half-open).
+
+    Raised when a capture starts while breakable graphs are disabled (``BCG_DISABLE=1``,
+    :func:`disable_breakable_graphs`), inside another capture, into a graph that already holds a
+    capture (call :meth:`BreakableCUDAGraph.reset` first), on a stream that is already capturing,
+    or where the backend has no device (no CUDA); when a break is reached on another thread than
+    the segment's without ``capture_error_mode="relaxed"``; when a break leaves a fresh device
+    tensor alive under ``debug="strict"``; when the CPU backend meets a host sync
+    (:class:`HostSyncError`); and by :func:`check_divergence` called inside a capture. The
+    message says what to do: run eagerly, capture again after ``reset()``, or move the call
+    into an :func:`eager_on_graph` break.
+    """
 
 
 class UnjoinedStreamError(CaptureError):
-    """A side stream forked from the capturing stream was not joined back before a segment ended."""
+    """A side stream forked from the capturing stream was not joined back before a segment ended.
+
+    Raised at the end of a segment (at a break or at the end of the capture) when work was put
+    on a side stream that waited on the capturing stream but the capturing stream never waited
+    on it, and ``auto_join=False`` or the join failed. The message names the stream. Make the
+    capturing stream wait on the side stream (``torch.cuda.current_stream().wait_stream(side)``
+    or an event) before the break, or leave ``auto_join=True``.
+    """
 
 
 class BreakOutputError(BreakableGraphError):
-    """A break point returned something it may not: a CUDA tensor under ``strict=True``, or, at
-    replay, tensors whose number, shapes or dtypes differ from those it returned at capture."""
+    """A break point returned something it may not.
+
+    Raised at capture when an :func:`eager_on_graph` function with ``strict=True`` returns a
+    device tensor, and at replay when a break returns another structure, or tensors whose number,
+    shapes or dtypes differ from those it returned at capture (the next segment was recorded
+    against those). Return the same structure every call, write the result into a buffer passed
+    as an argument, or capture a graph per shape.
+    """
 
 
 class ReplayError(BreakableGraphError):
-    """``replay()`` was called on a graph that holds no successful capture, or during a capture."""
+    """``replay()`` or ``reset()`` was called when the graph cannot do it.
+
+    Raised by :meth:`BreakableCUDAGraph.replay` on a graph that holds no successful capture (never
+    captured, reset, or its capture failed) or that is being captured, and by
+    :meth:`BreakableCUDAGraph.reset` during that graph's capture; the CPU backend also raises it
+    when a segment read a 0-dim tensor from outside the graph whose value changed since capture.
+    Capture the graph (again) first, or replay after the ``with`` block of the capture exited.
+    """
 
 
 class HostSyncError(CaptureError):

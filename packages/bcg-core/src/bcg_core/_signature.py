@@ -68,7 +68,19 @@ def _call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str,
 
 
 def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
-    """The hashable signature of a call."""
+    """The hashable signature of a call, the key a :class:`BreakableGraphRunner` captures by.
+
+    It holds the call's container structure and constants, each tensor's shape, dtype and
+    device, the addresses of tensors inside object arguments, and every other object by
+    identity. Equal signatures can share one graph.
+
+    Args:
+        args: the call's positional arguments.
+        kwargs: the call's keyword arguments.
+
+    Returns:
+        A hashable ``Signature``, as found in :attr:`EntryStats.signature`.
+    """
     return signature_and_tensors(args, kwargs)[0]
 
 
@@ -157,7 +169,19 @@ def _describe(leaf: Any) -> str:
 
 
 def describe_difference(sig: Signature, others: list[Signature]) -> str:
-    """Which fields of ``sig`` differ from the closest of ``others``, in words."""
+    """Which fields of ``sig`` differ from the closest of ``others``, in words.
+
+    This is the text a runner logs for a missed call.
+
+    Args:
+        sig: the signature to explain, from :func:`signature_of`.
+        others: the signatures to compare with (a runner's captured ones).
+
+    Returns:
+        The differing fields of the closest signature (fewest differences), joined by
+        ``"; "``, each with its value and the captured one; ``"no signature has been captured
+        yet"`` when ``others`` is empty.
+    """
     if not others:
         return "no signature has been captured yet"
     best: list[str] | None = None

@@ -28,8 +28,20 @@ _ORIGINAL = "__bcg_original_forward__"
 
 
 def make_breakable_attention_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap an attention ``forward(self, *args, **kwargs)`` so it is a break point while the
-    breakable-graph flag is set, and a transparent pass-through otherwise."""
+    """Wrap an attention ``forward(self, *args, **kwargs)`` as a break point under the flag.
+
+    While the breakable-graph flag is set the wrapper is an :func:`bcg_core.eager_on_graph`
+    break; otherwise it is a transparent pass-through.
+
+    The break is named after the forward's ``__qualname__``; the wrapper keeps its name and
+    docstring. Wrapping an already wrapped forward returns it unchanged.
+
+    Args:
+        forward: the attention method (an unbound function taking the module first).
+
+    Returns:
+        The wrapped forward, to assign in its class (or pass to :func:`patch_attribute`).
+    """
     if getattr(forward, _ORIGINAL, None) is not None:
         return forward  # already adapted
 
@@ -48,13 +60,20 @@ def make_breakable_attention_forward(forward: Callable[..., Any]) -> Callable[..
 
 
 class AttentionPatch(Removable):
-    """Handle returned by :func:`install_breakable_attention`; :meth:`remove` undoes it (also on
-    leaving a ``with`` block). Removing twice is harmless."""
+    """Handle returned by :func:`install_breakable_attention`.
+
+    :meth:`remove` undoes the install (so does leaving a ``with`` block); removing twice is
+    harmless.
+
+    Args:
+        classes: the classes the install adapted.
+    """
 
     def __init__(self, classes: tuple[type, ...]) -> None:
         self.classes = classes
 
     def remove(self) -> None:
+        """Uninstall the patch from every class, as :func:`uninstall_breakable_attention` does."""
         uninstall_breakable_attention(*self.classes)
 
 
@@ -93,10 +112,25 @@ _installed: dict[type, PatchHandle] = {}
 
 
 def install_breakable_attention(*classes: type) -> AttentionPatch:
-    """Adapt the attention method (``forward``, or ``__call__`` for processor classes) of each
-    class in place. Installing twice changes nothing; :func:`uninstall_breakable_attention` (or
-    the handle) undoes it. The patch is reference-counted with the ones a :class:`DiTRunner`
-    takes, so uninstalling never removes a patch that a live runner relies on."""
+    """Make the attention method of each class a break point, in place.
+
+    The attention method is ``forward``, or ``__call__`` for diffusers processor classes.
+
+    Installing twice changes nothing; :func:`uninstall_breakable_attention` (or the handle)
+    undoes it. The patch is reference-counted with the ones a :class:`DiTRunner` takes, so
+    uninstalling never removes a patch that a live runner relies on. Every class is checked
+    before any is patched.
+
+    Args:
+        *classes: attention module classes (with a ``forward``) or diffusers attention
+            processor classes (with a ``__call__``).
+
+    Returns:
+        An :class:`AttentionPatch` whose ``remove()`` (or ``with`` block) uninstalls it.
+
+    Raises:
+        TypeError: an argument is not a class with a ``forward`` or ``__call__`` method.
+    """
     for cls in classes:
         attention_method(cls)
     with _lock:
@@ -107,8 +141,13 @@ def install_breakable_attention(*classes: type) -> AttentionPatch:
 
 
 def uninstall_breakable_attention(*classes: type) -> None:
-    """Drop the patch :func:`install_breakable_attention` made on each class (patches held by
-    runners stay until they close)."""
+    """Drop the patch :func:`install_breakable_attention` made on each class.
+
+    Patches held by runners stay until they close; a class never installed is ignored.
+
+    Args:
+        *classes: the classes to uninstall from.
+    """
     with _lock:
         handles = [_installed.pop(cls) for cls in classes if cls in _installed]
     for h in handles:
@@ -116,5 +155,16 @@ def uninstall_breakable_attention(*classes: type) -> None:
 
 
 def is_breakable_attention_installed(cls: type) -> bool:
-    """Whether the attention method of ``cls`` is currently adapted (by anyone in bcg)."""
+    """Whether the attention method of ``cls`` is currently adapted (by anyone in bcg).
+
+    Args:
+        cls: an attention module or processor class.
+
+    Returns:
+        True while :func:`install_breakable_attention`, a :class:`DiTRunner` or
+        :func:`make_attention_ops_breakable` holds a patch on its attention method.
+
+    Raises:
+        TypeError: ``cls`` is not a class with a ``forward`` or ``__call__`` method.
+    """
     return patch_count(cls, attention_method(cls)) > 0

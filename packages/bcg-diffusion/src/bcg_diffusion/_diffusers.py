@@ -49,8 +49,9 @@ def breakable_functional(functional: types.ModuleType) -> types.ModuleType:
 
 
 def make_attention_ops_breakable(model: torch.nn.Module) -> PatchHandle:
-    """Make every attention op of a diffusers transformer a break point; return the handle that
-    undoes it (``remove()`` or a ``with`` block; pass it to :class:`DiTRunner` as
+    """Make every attention op of a diffusers transformer a break point; return the handle.
+
+    The handle undoes it (``remove()`` or a ``with`` block; pass it to :class:`DiTRunner` as
     ``breakable_attention=`` and the runner releases it on ``close()``).
 
     Covers models calling ``dispatch_attention_fn`` (any backend) and processors calling
@@ -58,7 +59,18 @@ def make_attention_ops_breakable(model: torch.nn.Module) -> PatchHandle:
     Each patched name holds one more reference per call, so several runners can share a model
     class. Not covered: code calling ``torch.nn.functional.scaled_dot_product_attention`` by its
     full path, and attention that is no sdpa (Sana's linear self-attention, which is all matmuls
-    and stays in the graph). Raises ``ValueError`` when the model has no attention op it knows.
+    and stays in the graph).
+
+    Args:
+        model: the diffusers transformer (any ``torch.nn.Module`` whose modules call the
+            attention ops above).
+
+    Returns:
+        A :class:`PatchHandle` holding one reference on every patched name.
+
+    Raises:
+        ValueError: no module of the model calls an attention op it knows (nothing is
+            patched); the message names the fallback, :func:`install_breakable_attention`.
     """
     handles: list[PatchHandle] = []
     try:

@@ -15,7 +15,19 @@ import torch
 
 
 def bucket_for(length: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket >= ``length``; ValueError naming the largest bucket if none is."""
+    """The smallest bucket that holds ``length``.
+
+    Args:
+        length: the prompt length.
+        buckets: the allowed padded lengths, in any order.
+
+    Returns:
+        The smallest bucket >= ``length``.
+
+    Raises:
+        ValueError: ``buckets`` is empty or holds a length below 1, or ``length`` exceeds the
+            largest bucket (the message names it).
+    """
     ordered = sorted(buckets)
     if not ordered or any(b < 1 for b in ordered):
         raise ValueError(f"buckets must be positive lengths, got {list(buckets)}")
@@ -31,8 +43,22 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
 def pad_prompt(
     embeds: torch.Tensor, mask: torch.Tensor | None, buckets: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad ``embeds`` ``[B, L, D]`` and its boolean ``mask`` ``[B, L]`` (all True when None) to
-    ``[B, bucket, D]`` and ``[B, bucket]``; padded positions are zeros with mask False."""
+    """Pad a prompt's embeddings and mask up to the nearest bucket length.
+
+    Args:
+        embeds: text embeddings ``[B, L, D]``.
+        mask: boolean ``[B, L]``, True for real tokens; None means all True.
+        buckets: the allowed padded lengths (see :func:`bucket_for`).
+
+    Returns:
+        ``(embeds, mask)`` of shapes ``[B, bucket, D]`` and ``[B, bucket]``: padded positions
+        are zeros with mask False. At an exact bucket length the inputs come back as they are
+        (the mask as bool).
+
+    Raises:
+        ValueError: ``embeds`` is not 3-D, ``mask`` is not ``[B, L]``, or no bucket holds
+            ``L`` (see :func:`bucket_for`).
+    """
     if embeds.dim() != 3:
         raise ValueError(f"embeds must be [batch, length, dim], got shape {tuple(embeds.shape)}")
     b, length, _ = embeds.shape

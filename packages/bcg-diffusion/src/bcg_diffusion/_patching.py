@@ -77,9 +77,16 @@ class Removable:
 
 
 class PatchHandle(Removable):
-    """References on one or more patched attributes. :meth:`remove` releases them (idempotent);
-    a ``with`` block releases them on exit. Dropping a handle without removing it keeps its
-    patches for the life of the process, as an unreleased reference should."""
+    """References on one or more patched attributes, returned by :func:`patch_attribute`.
+
+    :meth:`remove` releases them (idempotent); a ``with`` block releases them on exit. Dropping
+    a handle without removing it keeps its patches for the life of the process, as an
+    unreleased reference should. Made by bcg, never by hand.
+
+    Args:
+        refs: the references it holds, one ``(patched attribute, wrap)`` pair each.
+        targets: the patched attributes in words (``"Attention.forward"``), for ``repr``.
+    """
 
     def __init__(self, refs: list[tuple[_Slot, Wrap]], targets: tuple[str, ...]) -> None:
         self._refs = refs
@@ -91,6 +98,11 @@ class PatchHandle(Removable):
         return bool(self._refs)
 
     def remove(self) -> None:
+        """Release every reference; an attribute whose last reference goes is restored.
+
+        Removing again does nothing. An attribute that other code replaced after bcg patched
+        it is left as it is, with a warning.
+        """
         with _lock:
             refs, self._refs = self._refs, []
             for slot, wrap in reversed(refs):
@@ -121,7 +133,18 @@ def patch_attribute(target: Any, name: str, wrap: Wrap) -> PatchHandle:
     instance only: the wrap gets the bound method). ``wrap`` is the reference key: the same
     ``wrap`` on the same attribute shares the patch.
 
-    Raises ``AttributeError`` when ``target`` has no attribute ``name`` (nothing is patched).
+    Args:
+        target: a module, a module's dotted name, a class, or an instance.
+        name: the attribute to patch.
+        wrap: a callable taking the original and returning its replacement; also the
+            reference key.
+
+    Returns:
+        A :class:`PatchHandle` holding one reference; ``remove()`` releases it.
+
+    Raises:
+        AttributeError: ``target`` has no attribute ``name`` (nothing is patched).
+        ImportError: ``target`` is a dotted name that cannot be imported.
     """
     if isinstance(target, str):
         target = importlib.import_module(target)

@@ -32,6 +32,21 @@ class DiTRunner(BreakableGraphRunner):
             runner.capture(latents, t, text)      # one graph per resolution / prompt bucket
         for step in range(50):
             noise = runner(latents, t, text)      # replays; unknown shapes run eagerly
+
+    Args:
+        model: the diffusion transformer (or any callable) to stand in for.
+        attention_classes: classes whose attention method becomes one break each (default:
+            none); patched when the runner is made.
+        breakable_attention: a handle from :func:`make_attention_ops_breakable`, which the
+            runner then owns and releases on :meth:`close` (default None).
+        **runner_options: keyword arguments of :class:`bcg_core.BreakableGraphRunner`
+            (``device``, ``max_entries``, ``as_tensor`` ...); ``replay_context`` defaults to
+            :func:`replay_token_scope`.
+
+    Raises:
+        TypeError: ``breakable_attention`` is not a :class:`PatchHandle`, an attention class
+            has no ``forward`` or ``__call__``, or as in :class:`bcg_core.BreakableGraphRunner`.
+        ValueError: as in :class:`bcg_core.BreakableGraphRunner`.
     """
 
     def __init__(
@@ -55,7 +70,10 @@ class DiTRunner(BreakableGraphRunner):
         self._patches: list[PatchHandle] = patches
 
     def close(self) -> None:
-        """Drop all graphs and release this runner's attention patches (idempotent)."""
+        """Drop all graphs and release this runner's attention patches (idempotent).
+
+        Patches that other runners or :func:`install_breakable_attention` hold stay in place.
+        """
         self.reset()
         patches, self._patches = self._patches, []
         for patch in patches:

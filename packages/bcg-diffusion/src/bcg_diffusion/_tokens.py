@@ -22,13 +22,29 @@ _counter_lock = threading.Lock()
 
 
 def get_current_replay_token() -> int | None:
-    """The token of the replay running in this context, or None outside replays."""
+    """The token of the replay running in this context, or None outside replays.
+
+    Compare it with the token a cache was built under to reuse per-replay metadata across the
+    layers of one replay.
+
+    Returns:
+        A positive int, strictly increasing in the process, inside a replay (a
+        :class:`DiTRunner` call that replays, or :func:`replay_token_scope`); None outside
+        one, including during capture, when no cache may be trusted.
+    """
     return _TOKEN.get()
 
 
 @contextlib.contextmanager
 def replay_token_scope() -> Iterator[int]:
-    """Run the enclosed replay under a fresh token (yielded); the previous token is restored."""
+    """Context manager that runs the enclosed replay under a fresh token.
+
+    :class:`DiTRunner` enters one for every call; use it to replay by hand. The token is set
+    in a context variable (this thread or task), and the previous token is restored on exit.
+
+    Yields:
+        The new token, a positive int larger than every token before it in the process.
+    """
     with _counter_lock:
         token = next(_counter)
     reset = _TOKEN.set(token)

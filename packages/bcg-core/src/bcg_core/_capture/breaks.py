@@ -107,6 +107,27 @@ def eager_on_graph(
     it and calls it eagerly at run time (the function and everything it calls run uncompiled),
     so a capture around the compiled call records it. Usable bare (``@eager_on_graph``) or
     configured (``@eager_on_graph(strict=True)``); the wrapper keeps name and docstring.
+
+    Args:
+        fn: the function to mark, when used bare; None (the default) returns a decorator
+            configured by the keyword arguments.
+        enable: False makes the wrapper a plain call, never a break (default True).
+        capture_stub: a callable run at capture instead of ``fn``, with the same arguments,
+            whose return value stands for ``fn``'s (same structure, shapes and dtypes); replays
+            run ``fn``. Default None: ``fn`` itself runs at capture.
+        strict: True raises :class:`BreakOutputError` at capture when the break returns a
+            device tensor, for breaks meant to write into argument buffers (default False:
+            returned tensors are copied into bridge buffers at every replay).
+        name: the break's name in ``break_names``, logs and error messages (default: the
+            function's ``__qualname__``).
+
+    Returns:
+        The wrapped function (bare use), or a decorator that wraps one.
+
+    Raises:
+        TypeError: ``capture_stub`` or the decorated object is not callable.
+        BreakOutputError: at capture, ``strict=True`` and a device tensor was returned; at
+            replay, the returned structure, shapes or dtypes differ from capture's.
     """
     if capture_stub is not None and not callable(capture_stub):
         raise TypeError(f"capture_stub must be callable, got {capture_stub!r}")
@@ -151,7 +172,11 @@ _compiled_split = torch._disable_dynamo(  # type: ignore[attr-defined]
 
 def break_graph() -> None:
     """Split the current graph segment here, with no eager work; a no-op outside a capture.
-    Inside a ``torch.compile``d function dynamo graph-breaks here, and the split happens."""
+
+    The segment before and the one after replay in order, as around an :func:`eager_on_graph`
+    break that does nothing. Inside a ``torch.compile``d function dynamo graph-breaks here, and
+    the split happens.
+    """
     if _is_compiling():
         _compiled_split()
     else:

@@ -265,6 +265,35 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
     the captured code propagates unchanged (with a note saying where it was raised); in every
     case the stream leaves capture mode, context variables are reset, stream hooks are removed,
     and the graph is left in the failed state, ready for ``reset()`` and a new capture.
+
+    Args:
+        cuda_graph: the empty :class:`BreakableCUDAGraph` to capture into.
+        pool: a memory pool handle to allocate from instead of the graph's own (default None:
+            ``cuda_graph.pool()``).
+        stream: a ``torch.cuda.Stream`` to capture on (default None: the pool's capture lane).
+        capture_error_mode: ``"global"`` (the default), ``"thread_local"`` or ``"relaxed"``,
+            passed to every segment; breaks inside autograd's backward need ``"relaxed"``.
+        barrier_fn: a callable run before each break at capture, never at replay (default
+            None).
+        auto_join: join unjoined side streams before each segment ends (default True); False
+            raises :class:`UnjoinedStreamError` instead.
+        faithful: launch each segment once right after its capture so breaks and the code after
+            the block see eager values (default True); False only records.
+        debug: False, True or ``"strict"``: log segments and breaks and report fresh tensors a
+            break leaves alive (a warning, or :class:`CaptureError` with ``"strict"``). Default
+            None: the ``BCG_DEBUG`` environment variable.
+
+    Raises:
+        TypeError: ``cuda_graph`` is not a :class:`BreakableCUDAGraph`, ``barrier_fn`` is not
+            callable, ``auto_join`` or ``faithful`` is not a bool, or ``stream`` is not a
+            stream.
+        ValueError: ``capture_error_mode`` or ``debug`` has another value.
+        CaptureError: on entering the block: this object is already in use, another capture is
+            active here, breakable graphs are disabled, the backend's device is missing, the
+            graph already holds a capture, or the stream is already capturing. Inside or at the
+            end of the block: see :class:`CaptureError`.
+        UnjoinedStreamError: a side stream was left unjoined and ``auto_join`` is False.
+        BreakOutputError: a ``strict=True`` break returned a device tensor.
     """
 
     def __init__(

@@ -58,14 +58,32 @@ def exit_capture(token: Token[CaptureState | None], stream_handle: int) -> None:
 
 
 def is_breakable_capture_active() -> bool:
-    """True while a breakable capture runs in this context: inside graph segments and inside the
-    eager breaks executed at capture. False during replay and outside any capture."""
+    """Whether a breakable capture is running right now in this context.
+
+    Unlike :func:`is_in_breakable_cuda_graph` (a routing flag for the whole block), this asks
+    about the capture itself; a break called from autograd's backward thread during a capture
+    still sees it, through the capturing stream.
+
+    Returns:
+        True inside graph segments and inside the eager breaks executed at capture; False
+        during replay and outside any capture.
+    """
     return active_capture() is not None
 
 
 def get_current_stream(device: torch.device | str | int | None = None) -> Any:
-    """The stream work should go to: the capturing stream during a breakable capture, the replay
-    stream during a replay, else torch's current stream for ``device``."""
+    """The stream work should go to right now.
+
+    Args:
+        device: the device whose current stream is wanted when no capture is running (a
+            ``torch.device``, a string such as ``"cuda:1"``, an index, or None, the default, for
+            the current device). Ignored during a capture.
+
+    Returns:
+        The capturing stream during a breakable capture; during a replay, the replay stream
+        (replay runs on the caller's current stream); else torch's current stream for
+        ``device``.
+    """
     state = active_capture()
     if state is not None:
         return state.stream

@@ -58,13 +58,20 @@ _TRACKER: ContextVar[FreshTensorTracker | None] = ContextVar("bcg_core_fresh", d
 
 
 def keep_alive_ok(tensor: torch.Tensor) -> torch.Tensor:
-    """Declare that ``tensor``, created inside a break, may stay alive after it on purpose, and
-    return it (``self.table = keep_alive_ok(torch.empty(...))``).
+    """Declare that ``tensor``, created inside a break, may stay alive after it on purpose.
+
+    Use it inline, as it returns the tensor: ``self.table = keep_alive_ok(torch.empty(...))``.
 
     The debug check (``BCG_DEBUG`` or ``BreakableCUDAGraphCapture(debug=...)``) then does not
     report them. Use it for memory a break allocates once at capture and reuses at every replay
     (a lazily built constant table, say); never for a value that changes per call, which later
     segments would read stale. Outside a debug-checked break it does nothing.
+
+    Args:
+        tensor: a tensor the break created and keeps (in an attribute, a cache).
+
+    Returns:
+        ``tensor`` itself, unchanged.
     """
     tracker = _TRACKER.get()
     if tracker is not None:

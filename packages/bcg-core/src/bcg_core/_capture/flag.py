@@ -33,8 +33,15 @@ def bcg_disabled_by_env() -> bool:
 
 
 def breakable_graphs_disabled() -> bool:
-    """True when breakable graphs are off here: ``BCG_DISABLE`` is set, or the caller is inside
-    :func:`disable_breakable_graphs`. Code that captures by hand should run eagerly then."""
+    """Whether breakable graphs are off in this context.
+
+    Code that captures by hand should run eagerly when this is true: a capture would raise
+    :class:`CaptureError`, and :func:`enable_breakable_cuda_graph` leaves the flag off.
+
+    Returns:
+        True when ``BCG_DISABLE`` is set to a true value (1, true, yes, on) or the caller is
+        inside :func:`disable_breakable_graphs`; else False.
+    """
     return _DISABLED.get() or bcg_disabled_by_env()
 
 
@@ -47,9 +54,16 @@ def disabled_reason() -> str:
 
 @contextlib.contextmanager
 def disable_breakable_graphs() -> Iterator[None]:
-    """Turn breakable graphs off for the enclosed block (this thread or task), as
-    ``BCG_DISABLE=1`` does for the whole process: the flag stays off, runners run eagerly, and
-    captures refuse to start. Nesting restores the previous state on exit."""
+    """Context manager that turns breakable graphs off for the enclosed block.
+
+    It does for this thread or asyncio task what ``BCG_DISABLE=1`` does for the whole process:
+    the flag stays off (model code takes its eager path), runners run every call eagerly, and
+    captures refuse to start (:class:`CaptureError`). Nesting restores the previous state on
+    exit, also when the block raises.
+
+    Yields:
+        None.
+    """
     token = _DISABLED.set(True)
     try:
         yield
@@ -63,17 +77,33 @@ def is_in_breakable_cuda_graph() -> bool:
     This is a routing decision for model code, not a capture query: it is true for the whole
     ``with enable_breakable_cuda_graph():`` block, at capture and at replay. Use
     :func:`is_breakable_capture_active` to ask whether a capture is running right now.
+
+    Returns:
+        The flag in this context: True inside ``enable_breakable_cuda_graph()`` (unless
+        breakable graphs are disabled there), False outside it and by default.
     """
     return _ENABLED.get()
 
 
 @contextlib.contextmanager
 def enable_breakable_cuda_graph(enabled: bool = True) -> Iterator[None]:
-    """Set the runtime flag for the enclosed block and restore the previous value on exit.
+    """Context manager that sets the runtime flag for the enclosed block.
 
-    Disabled breakable graphs (``BCG_DISABLE=1``, :func:`disable_breakable_graphs`) force the
-    flag off. If the block raises, :data:`BCG_FAILURE_HINT` is logged at error level on logger
-    ``bcg_core`` and the exception is re-raised unchanged.
+    The flag (read with :func:`is_in_breakable_cuda_graph`) is a context variable: per thread
+    and per asyncio task, and the previous value is restored on exit. Disabled breakable graphs
+    (``BCG_DISABLE=1``, :func:`disable_breakable_graphs`) force the flag off. If the block
+    raises, :data:`BCG_FAILURE_HINT` is logged at error level on logger ``bcg_core`` and the
+    exception is re-raised unchanged.
+
+    Args:
+        enabled: the value to set (default True); False routes model code to its eager path
+            for the block, for example to rule bcg out.
+
+    Yields:
+        None.
+
+    Raises:
+        TypeError: ``enabled`` is not a bool (raised when the block is entered).
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enable_breakable_cuda_graph(enabled=...) takes a bool, got {enabled!r}")

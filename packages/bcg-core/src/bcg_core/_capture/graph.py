@@ -108,6 +108,18 @@ class BreakableCUDAGraph:
     Failure modes: :meth:`replay` raises :class:`ReplayError` before a successful capture, after a
     failed one, and while a capture is active in the calling context. A failed capture leaves the
     graph in the failed state; :meth:`reset` clears it for a new capture.
+
+    Args:
+        pool: a memory pool handle to capture into, from another graph's :meth:`pool` or a
+            runner's ``pool``, so the graphs share memory (replay them one at a time). Default
+            None: the graph makes its own pool on first use.
+        backend: ``"cuda"`` (the default) or ``"cpu"``, the device whose graphs are captured.
+        profile: True names each replay step for the profiler, False never does; None (the
+            default) reads ``BCG_PROFILE`` at capture.
+
+    Raises:
+        ValueError: ``backend`` is neither ``"cuda"`` nor ``"cpu"``.
+        TypeError: ``profile`` is not a bool or None.
     """
 
     def __init__(
@@ -130,19 +142,38 @@ class BreakableCUDAGraph:
         self._lock = threading.Lock()
 
     def pool(self) -> Any:
-        """This graph's memory pool handle (created on first use); pass it to share the pool."""
+        """This graph's memory pool handle, created on first use.
+
+        Returns:
+            The handle passed at construction, or the graph's own pool. Pass it as ``pool`` to
+            another graph or capture to share the memory (then replay them one at a time).
+        """
         with self._lock:
             if self._pool is None:
                 self._pool = self._backend.new_pool()
             return self._pool
 
     def pool_bytes(self) -> int | None:
-        """Bytes the allocator holds in this graph's pool right now (shared with every graph
-        that uses the pool), or None where the backend cannot tell (CPU)."""
+        """Bytes the allocator holds in this graph's pool right now.
+
+        Returns:
+            The pool's reserved bytes (shared with every graph that uses the pool), or None
+            where the backend cannot tell (CPU).
+        """
         return self._backend.pool_bytes(self.pool())
 
     def replay(self) -> None:
-        """Launch every non-empty segment and run every break, in capture order."""
+        """Launch every non-empty segment and run every break, in capture order.
+
+        Runs on the caller's current stream (never switches streams); outputs captured as static
+        tensors hold the new results once that stream reaches them.
+
+        Raises:
+            ReplayError: the graph holds no successful capture (never captured, reset, or the
+                capture failed), or a breakable capture is active in this context.
+            BreakOutputError: a break returned another structure, or tensors of other number,
+                shapes or dtypes, than at capture.
+        """
         if self._state is not _State.CAPTURED:
             raise ReplayError(self._not_ready())
         if active_capture() is not None:
@@ -155,7 +186,13 @@ class BreakableCUDAGraph:
             run()
 
     def reset(self) -> None:
-        """Drop all segments and breaks (and their bridges); keep the pool for the next capture."""
+        """Drop all segments and breaks (and their bridges); keep the pool for the next capture.
+
+        Leaves the graph empty, ready for a new capture, also after a failed one.
+
+        Raises:
+            ReplayError: this graph is being captured right now.
+        """
         with self._lock:
             if self._state is _State.CAPTURING:
                 raise ReplayError("reset() was called while this graph is being captured")

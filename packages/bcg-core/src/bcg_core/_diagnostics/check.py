@@ -54,6 +54,18 @@ def check_capture(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Captu
 
     Errors that bcg_core raises (:class:`BreakableGraphError`, e.g. a strict break returning a
     tensor) are reported with ``ok=False`` too; any other exception from ``fn`` propagates.
+
+    Args:
+        fn: the callable to check (positional only), typically a model or its forward.
+        *args: positional arguments for ``fn`` (CPU tensors).
+        **kwargs: keyword arguments for ``fn``.
+
+    Returns:
+        A ``CaptureReport``: ``ok``, the segment and break counts, and on failure the error
+        message, the host-sync operation and its source line; ``str()`` of it is one line.
+
+    Raises:
+        Exception: whatever ``fn`` raises that is not a :class:`BreakableGraphError`.
     """
     graph = BreakableCUDAGraph(backend="cpu")
     failure: BreakableGraphError | None = None

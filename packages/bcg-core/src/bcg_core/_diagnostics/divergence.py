@@ -84,8 +84,10 @@ def check_divergence(
     rtol: float = 0.0,
     seed: int = 0,
 ) -> DivergenceReport:
-    """Capture ``fn`` with the first input set, then, for every other set, run ``fn`` eagerly and
-    by replay and report the first graph segment whose results differ.
+    """Report the first graph segment whose replay differs from running ``fn`` eagerly.
+
+    ``fn`` is captured with the first input set; for every other set it runs eagerly and by
+    replay, and the two runs are compared.
 
     ``inputs``: two or more input sets. A set is ``(args_tuple, kwargs_dict)``, a tuple of
     positional arguments, a single non-tuple argument, or a zero-argument callable returning
@@ -120,6 +122,28 @@ def check_divergence(
     clone of every break call's arguments and outputs per run. Errors: :class:`TypeError` or
     :class:`ValueError` for bad arguments; a failed capture raises as in
     :class:`BreakableCUDAGraphCapture`; the graph is always released.
+
+    Args:
+        fn: the callable to check; it must be repeatable (see above).
+        inputs: two or more input sets, in the forms above; set 0 is captured, every other set
+            is compared.
+        backend: ``"cpu"`` or ``"cuda"``, keyword only; None (the default) picks the backend of
+            the input tensors.
+        atol: absolute tolerance, >= 0 (default 0.0: bitwise with ``rtol=0``).
+        rtol: relative tolerance, >= 0 (default 0.0).
+        seed: the seed set before every eager run and every replay (default 0).
+
+    Returns:
+        A :class:`DivergenceReport`: ``status="ok"`` when every set matched, else the first
+        set, segment and tensors that differed (or ``"nondeterministic"``).
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+        ValueError: negative ``atol`` or ``rtol``, fewer than two input sets, an unknown
+            ``backend``, or an input set whose structure, shapes, dtypes or devices differ from
+            set 0's.
+        CaptureError: called inside a breakable capture, or the capture fails as in
+            :class:`BreakableCUDAGraphCapture`.
     """
     if not callable(fn):
         raise TypeError(f"check_divergence needs a callable, got {fn!r}")

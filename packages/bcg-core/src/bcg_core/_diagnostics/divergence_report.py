@@ -57,10 +57,13 @@ _SHOWN = 8
 class TensorDiff:
     """One value that differs between the eager run and the replay.
 
-    ``path`` names it (``args[0]``, ``kwargs['mask']``, ``output['h']``, ``output[1]``);
-    ``shape`` is the eager tensor's shape (None for a non-tensor value); ``max_abs_diff`` is the
-    largest ``|eager - replay|`` (``inf`` where only one side is NaN; None when the types,
-    shapes or dtypes differ, or for non-tensors); ``detail`` says what differs in words.
+    Attributes:
+        path: where the value is (``args[0]``, ``kwargs['mask']``, ``output['h']``,
+            ``output[1]``).
+        shape: the eager tensor's shape; None for a non-tensor value.
+        max_abs_diff: the largest ``|eager - replay|`` (``inf`` where only one side is NaN);
+            None when the types, shapes or dtypes differ, or for non-tensors.
+        detail: what differs, in words.
     """
 
     path: str
@@ -73,19 +76,31 @@ class TensorDiff:
 class DivergenceReport:
     """The outcome of :func:`bcg_core.check_divergence` (and of the runner's check_divergence).
 
-    ``status`` is ``"ok"`` (replay equals eager for every input set, break by break),
-    ``"diverged"`` (the first difference is described below) or ``"nondeterministic"`` (two
-    eager runs from the same seed already differ there, so no divergence can be judged; use a
-    tolerance or deterministic algorithms). ``ok`` is ``status == "ok"``.
+    ``str()`` of a report is a readable summary with the likely cause and its fix. The fields
+    after ``breaks`` are set only on a difference (None or empty when ``ok``).
 
-    On a difference: ``input_set`` is the index (into the given inputs) of the set that exposed
-    it; ``observed_at`` where it was seen (the inputs or outputs of a break call, or the step's
-    output); ``segment`` the graph segment blamed, numbered from 1 as in capture errors (segment
-    ``k`` runs after the ``k-1``-th break call and before the ``k``-th; None when a break itself
-    is blamed); ``break_before``/``break_after`` the names of the break calls around it (None at
-    the start and at the output); ``cause`` the kind of mistake that usually produces it; ``diffs``
-    the values that differ; ``source_lines`` the user source lines of the segment's operations
-    (CPU backend only, else empty). ``segments``/``breaks`` describe the captured graph.
+    Attributes:
+        status: ``"ok"`` (replay equals eager for every input set, break by break),
+            ``"diverged"`` (the first difference is described by the fields below) or
+            ``"nondeterministic"`` (two eager runs from the same seed already differ there, so
+            no divergence can be judged; use a tolerance or deterministic algorithms).
+        backend: the graph backend the check ran on, ``"cuda"`` or ``"cpu"``.
+        input_sets: how many input sets were given.
+        segments: graph segments of the captured graph.
+        breaks: break calls of the captured graph.
+        input_set: the index (into the given inputs) of the set that exposed the difference.
+        observed_at: where it was seen: the inputs or outputs of a break call, or the output.
+        segment: the graph segment blamed, numbered from 1 as in capture errors (segment ``k``
+            runs after the ``k-1``-th break call and before the ``k``-th); None when a break
+            itself is blamed.
+        break_before: the name of the break call before it (None at the start).
+        break_after: the name of the break call after it (None at the output).
+        cause: the kind of mistake that usually produces it (``"baked_in_segment"``,
+            ``"frozen_break_argument"``, ``"frozen_break_output"``, ``"break_sequence"``,
+            ``"break_itself"``).
+        diffs: the values that differ.
+        source_lines: the user source lines of the blamed segment's operations (CPU backend
+            only, else empty).
     """
 
     status: Status
@@ -104,6 +119,7 @@ class DivergenceReport:
 
     @property
     def ok(self) -> bool:
+        """``status == "ok"``: replay equals eager everywhere."""
         return self.status == "ok"
 
     def __str__(self) -> str:

@@ -42,8 +42,9 @@ _registered: dict[str, str] = {}  # base implementation -> registered name
 
 
 def breakable_attention(base: str = "sdpa") -> str:
-    """Register a breakable version of the transformers attention implementation ``base`` and
-    return its name, to use as ``attn_implementation``::
+    """Register a breakable version of a transformers attention implementation; return its name.
+
+    Use the name as ``attn_implementation``::
 
         name = bcg_core.breakable_attention("sdpa")           # "bcg_sdpa"
         model.set_attn_implementation(name)   # or from_config(..., attn_implementation=name)
@@ -61,12 +62,23 @@ def breakable_attention(base: str = "sdpa") -> str:
     output's transpose and copy) and what ``scaled_dot_product_attention`` does before its
     kernel (the boolean mask's conversion) are captured, so a replay runs one kernel op per
     layer (the ``scaled_dot_product_attention`` call where torch picks its math backend).
-    Registering is
-    process-wide, idempotent and additive (no existing name changes).
+    Registering is process-wide, idempotent and additive (no existing name changes).
 
-    Raises ``ImportError`` naming the extra when transformers (>= 5) is missing, ``ValueError``
-    for an unknown ``base`` and for ``flash_attention_*``, whose functions pick their kernel from
-    the model config's implementation name and cannot run under another name.
+    Capturing a layer with sliding-window attention raises :class:`CaptureError`: transformers
+    keeps those layers' cache position in a Python int, which a graph would freeze.
+
+    Args:
+        base: the implementation to wrap (default ``"sdpa"``), optionally with the ``paged|``
+            prefix; a name that already starts with ``bcg_`` is returned as it is.
+
+    Returns:
+        The registered name, ``"bcg_" + base`` (after a ``paged|`` prefix).
+
+    Raises:
+        ImportError: transformers (>= 5) is missing; the message names the extra to install.
+        ValueError: ``base`` is unknown, or is a ``flash_attention_*`` implementation, whose
+            functions pick their kernel from the model config's implementation name and cannot
+            run under another name.
     """
     attention_interface, mask_interface = _interfaces()
     paged = base.startswith(_PAGED)

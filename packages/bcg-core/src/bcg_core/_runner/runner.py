@@ -47,11 +47,21 @@ Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 @dataclass(frozen=True)
 class EntryStats:
-    """One captured signature: graph segments launched per replay, breaks run per replay, the
-    bytes its (shared) pool held right after this capture (None where the backend cannot
-    tell), replays so far, how many times :meth:`BreakableGraphRunner.capture` ran the step
-    for it (warm-ups + the capture), the pool it was captured into, and the wall time of the
-    capture itself in ms (warm-ups excluded; the capture stream synchronised at its end)."""
+    """One captured signature of a :class:`BreakableGraphRunner`, in :attr:`RunnerStats.entries`.
+
+    Attributes:
+        signature: the call signature the graph was captured for (see :func:`signature_of`).
+        segments: graph segments launched per replay.
+        breaks: breaks run per replay.
+        pool_bytes: the bytes its (shared) pool held right after this capture; None where the
+            backend cannot tell (CPU).
+        replays: replays so far.
+        capture_runs: how many times :meth:`BreakableGraphRunner.capture` ran the step for it
+            (warm-ups + the capture).
+        pool: the memory pool it was captured into.
+        capture_ms: the wall time of the capture itself in ms (warm-ups excluded; the capture
+            stream synchronised at its end).
+    """
 
     signature: Signature
     segments: int
@@ -65,7 +75,17 @@ class EntryStats:
 
 @dataclass(frozen=True)
 class RunnerStats:
-    """Counters since construction (or the last :meth:`BreakableGraphRunner.reset`)."""
+    """Counters since construction (or the last :meth:`BreakableGraphRunner.reset`).
+
+    Attributes:
+        hits: calls served by a replay.
+        misses: calls run eagerly for want of a graph: an unknown signature outside a capture
+            window, or a blocked one.
+        captures: successful captures.
+        failed_captures: captures that raised (their signatures are blocked).
+        evictions: entries dropped beyond ``max_entries`` (least recently used first).
+        entries: one :class:`EntryStats` per captured signature, least recently used first.
+    """
 
     hits: int
     misses: int
@@ -122,6 +142,31 @@ class BreakableGraphRunner:
     one-time notice; ``device="cpu"`` captures CPU graphs (the CPU backend of
     :class:`BreakableCUDAGraph`, with CUDA's capture rules). Attribute access falls through to
     the wrapped module. Calls are serialised by a lock: static buffers are shared state.
+
+    Args:
+        module: the module or callable to stand in for.
+        device: the device static buffers live on and graphs capture for (default
+            ``"cuda"``; ``"cpu"`` uses the CPU graph backend).
+        max_entries: captured signatures kept, >= 1 (default 8); beyond it the least recently
+            used is evicted.
+        max_segments: a capture with more segments disables the runner, >= 1 (default None:
+            no limit).
+        warmup_iters: eager runs before each capture, >= 0 (default 2).
+        return_views: return the static output itself instead of a clone (default False); it
+            is valid until the next replay.
+        replay_context: a zero-argument callable returning a context manager each replay runs
+            inside (default None).
+        pool: a memory pool to share with another runner or graph (``runner.pool``,
+            ``graph.pool()``); default None: the runner makes its own on first use.
+        as_tensor: argument positions (int) and keyword names (str) whose Python numbers are
+            passed as 0-dim tensors, so one graph serves every value (default: none).
+
+    Raises:
+        TypeError: ``module`` is not callable, ``pool`` is a graph or a runner instead of a
+            pool, or ``as_tensor`` is a single name or holds something other than ints and
+            strings.
+        ValueError: ``max_entries``, ``max_segments`` or ``warmup_iters`` is out of range, or an
+            ``as_tensor`` position is negative.
     """
 
     def __init__(
@@ -184,6 +229,24 @@ class BreakableGraphRunner:
         return getattr(self.module, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module: replay the graph captured for this call's signature.
+
+        An unknown signature is captured inside a :meth:`warmup` window, else run eagerly;
+        with graphs disabled or unavailable every call runs eagerly (see the class docstring).
+
+        Args:
+            *args: positional arguments for the module.
+            **kwargs: keyword arguments for the module.
+
+        Returns:
+            The module's output: a clone of the static output on a replay (the static output
+            itself with ``return_views=True``), or the eager result.
+
+        Raises:
+            BreakOutputError: at replay, a break returned other tensors than at capture.
+            Exception: whatever the module raises on an eager run (a failed capture does not
+                raise: its signature is blocked and the call runs eagerly).
+        """
         with self._lock:
             if not self._can_graph():
                 return self.module(*args, **kwargs)
@@ -211,7 +274,15 @@ class BreakableGraphRunner:
 
         Runs the step ``warmup_iters + 1`` times (warm-ups, then the capture, whose output is
         returned); once when the signature is already captured (a replay) or cannot be
-        captured (blocked, graphs disabled, no CUDA: one eager run).
+        captured (blocked, graphs disabled, no CUDA: one eager run). A capture that raises
+        blocks the signature, logs a warning, and the call runs eagerly instead.
+
+        Args:
+            *args: positional arguments for the module, as in a call.
+            **kwargs: keyword arguments for the module.
+
+        Returns:
+            The call's output (a clone of the static output unless ``return_views=True``).
         """
         with self.warmup():
             return self(*args, **kwargs)
@@ -219,12 +290,21 @@ class BreakableGraphRunner:
     def capture_many(
         self, calls: Iterable[Call], *, order: Literal["largest_first", "given"] = "largest_first"
     ) -> None:
-        """Capture one graph per call, as engines do at start-up; each call is
-        ``(args, kwargs)``. ``order="largest_first"`` (the default) captures in decreasing
-        total bytes of the call's tensors (ties keep the given order): a graph captured later
-        into the shared pool reuses the memory that larger graphs freed during their capture,
-        so the pool ends up the size of the largest graph. ``order="given"`` keeps the order.
-        Outputs are not kept (use :meth:`capture` for one); see :attr:`stats`.
+        """Capture one graph per call, as engines do at start-up.
+
+        ``order="largest_first"`` captures in decreasing total bytes of the call's tensors (ties
+        keep the given order): a graph captured later into the shared pool reuses the memory
+        that larger graphs freed during their capture, so the pool ends up the size of the
+        largest graph. Outputs are not kept (use :meth:`capture` for one); see :attr:`stats`.
+
+        Args:
+            calls: ``(args, kwargs)`` pairs, an args tuple and a kwargs dict each.
+            order: ``"largest_first"`` (the default) or ``"given"`` (keep the given order).
+
+        Raises:
+            ValueError: ``order`` has another value.
+            TypeError: an item of ``calls`` is not an ``(args_tuple, kwargs_dict)`` pair
+                (checked before anything is captured).
         """
         if order not in ("largest_first", "given"):
             raise ValueError(f"order must be 'largest_first' or 'given', got {order!r}")
@@ -237,7 +317,13 @@ class BreakableGraphRunner:
 
     @contextlib.contextmanager
     def warmup(self) -> Iterator[BreakableGraphRunner]:
-        """A window in which calls with unknown signatures are captured."""
+        """Context manager: a window in which calls with unknown signatures are captured.
+
+        Windows nest and may be open in several threads; calls stay serialised by the lock.
+
+        Yields:
+            This runner.
+        """
         with self._lock:
             self._window += 1
         try:
@@ -269,9 +355,14 @@ class BreakableGraphRunner:
 
     @property
     def pool(self) -> Any:
-        """The memory pool every graph of this runner captures into (made on first use; pass
-        it as ``pool=`` to share it). Raises :class:`CaptureError` where the runner's backend
-        cannot capture (``device="cuda"`` without CUDA)."""
+        """The memory pool every graph of this runner captures into.
+
+        Made on first use (or the one given as ``pool=``); pass it as ``pool=`` to another
+        runner or graph to share it.
+
+        Raises:
+            CaptureError: the runner's backend cannot capture (``device="cuda"`` without CUDA).
+        """
         with self._lock:
             if self._pool is None:
                 self._graph_backend.check_available()
@@ -281,19 +372,35 @@ class BreakableGraphRunner:
 
     @property
     def stream(self) -> Any:
-        """The stream warm-ups run on (one per runner, made on first use and reused: each
-        stream that runs cuBLAS work keeps a workspace). Captures then run on the pool's capture
-        lane, ordered after it (see :class:`BreakableCUDAGraphCapture`)."""
+        """The stream warm-ups run on: one per runner, made on first use and reused.
+
+        Each stream that runs cuBLAS work keeps a workspace, hence one stream, not one per
+        capture. Captures then run on the pool's capture lane, ordered after it (see
+        :class:`BreakableCUDAGraphCapture`).
+        """
         with self._lock:
             if self._side is None:
                 self._side = self._graph_backend.new_stream(self.device)
             return self._side
 
     def check_divergence(self, *args: Any, **kwargs: Any) -> DivergenceReport:
-        """Compare eager and replay for this call on the graph captured for its signature
-        (bitwise, seed 0; see :func:`bcg_core.check_divergence`): e.g. before serving, with
-        inputs other than the capture's. Raises :class:`ValueError` when no graph is captured
-        for the call's signature."""
+        """Compare eager and replay for this call on the graph captured for its signature.
+
+        Bitwise, seed 0 (see :func:`bcg_core.check_divergence`); use it before serving, with
+        inputs other than the capture's. The check writes the inputs into the entry's static
+        buffers and replays its graph, ordered with the pool's other replays.
+
+        Args:
+            *args: positional arguments of the call to check.
+            **kwargs: keyword arguments of the call to check.
+
+        Returns:
+            A :class:`DivergenceReport` for this one input set.
+
+        Raises:
+            ValueError: no graph is captured for the call's signature (the message says which
+                fields differ from the nearest captured one).
+        """
         with self._lock:
             values: list[bool | int | float] = []
             if self._lift is None:
@@ -322,6 +429,7 @@ class BreakableGraphRunner:
 
     @property
     def stats(self) -> RunnerStats:
+        """A snapshot of the counters and of every captured entry (see :class:`RunnerStats`)."""
         with self._lock:
             entries = tuple(
                 EntryStats(

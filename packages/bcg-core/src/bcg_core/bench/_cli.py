@@ -139,6 +139,20 @@ def check(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``bcg`` command: ``bcg demo``, ``bcg bench [WORKLOAD ...]`` and ``bcg check TARGET``.
+
+    Args:
+        argv: the command-line arguments after the program name (default None:
+            ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 on success; 1 when a result is wrong (a replay differs from eager,
+        a check fails); 2 for an unknown workload.
+
+    Raises:
+        SystemExit: bad command-line arguments (argparse's usage error, status 2), or a
+            ``bcg check`` target that cannot be loaded or returns the wrong thing.
+    """
     parser = argparse.ArgumentParser(prog="bcg", description="Breakable CUDA graphs for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="capture the toy decoder and compare with eager")

@@ -28,8 +28,13 @@ COLUMNS = (
 
 
 def environment() -> dict[str, Any]:
-    """Date, host CPU and torch threads, torch, CUDA, GPU and driver (what every result file
-    records)."""
+    """What every result file records about the machine and the software.
+
+    Returns:
+        A JSON-ready dict with keys ``date`` (UTC, ISO 8601), ``bcg_core``, ``python``,
+        ``cpu``, ``torch_threads``, ``torch``, ``cuda``, ``gpu`` and ``driver`` (None where
+        unknown: no GPU, or ``nvidia-smi`` failed).
+    """
     env: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "bcg_core": __version__,

@@ -55,7 +55,22 @@ class DecoderConfig:
     for RoPE) and ``heads`` by ``kv_heads`` (grouped-query attention when ``kv_heads < heads``).
     ``max_context`` is the KV-cache window: positions run from 0 to ``max_context - 1`` and every
     step attends over the whole window, masking the slots after each sequence's position.
-    Raises :class:`ValueError` on inconsistent shapes.
+
+    Attributes:
+        vocab: vocabulary size (embedding rows and logits).
+        hidden: model width.
+        layers: decoder layers.
+        heads: query heads per layer.
+        kv_heads: key/value heads per layer (a divisor of ``heads``).
+        ffn: SwiGLU inner width.
+        max_context: KV-cache slots per sequence.
+        dtype: parameter and activation dtype (default ``torch.bfloat16``).
+        rope_theta: RoPE base (default 10000.0).
+        norm_eps: RMSNorm epsilon (default 1e-5).
+
+    Raises:
+        ValueError: a size is not positive, ``hidden`` is not divisible by ``heads`` or
+            ``heads`` by ``kv_heads``, or ``head_dim`` is odd.
     """
 
     vocab: int
@@ -96,7 +111,16 @@ class DecoderConfig:
 
 
 def tiny_config(dtype: torch.dtype = torch.bfloat16) -> DecoderConfig:
-    """A decoder small enough for CPU tests: 8 layers, hidden 256, 4 heads (2 KV heads)."""
+    """A decoder small enough for CPU tests: 8 layers, hidden 256, 4 heads (2 KV heads).
+
+    Vocabulary 1024, FFN width 512, 256 cache slots.
+
+    Args:
+        dtype: the model's dtype (default ``torch.bfloat16``).
+
+    Returns:
+        The :class:`DecoderConfig`.
+    """
     return DecoderConfig(
         vocab=1024,
         hidden=256,
@@ -112,7 +136,14 @@ def tiny_config(dtype: torch.dtype = torch.bfloat16) -> DecoderConfig:
 def bench_config(dtype: torch.dtype = torch.bfloat16) -> DecoderConfig:
     """The benchmark decoder (about 1.6 B parameters): 32 layers, hidden 2048, 16 heads, 8 KV heads.
 
-    ``max_context`` is 1024, so a decode step attends over 1024 cache slots.
+    ``max_context`` is 1024, so a decode step attends over 1024 cache slots. Vocabulary 32000,
+    FFN width 5632.
+
+    Args:
+        dtype: the model's dtype (default ``torch.bfloat16``).
+
+    Returns:
+        The :class:`DecoderConfig`.
     """
     return DecoderConfig(
         vocab=32000,
@@ -338,6 +369,11 @@ class ToyDecoder(nn.Module):
     Call :meth:`allocate_cache` before the first step. A step writes each layer's new key/value
     at ``positions`` and reads slots ``0..positions[b]``, so slots before a sequence's position
     must have been filled by earlier steps (or by the caller) for the result to mean anything.
+
+    Args:
+        config: the decoder's shape and numerics.
+        seed: the seed of the CPU generator the weights are drawn from (default 0).
+        device: where the parameters go (default None: the CPU).
     """
 
     rope_cos: torch.Tensor
@@ -374,8 +410,18 @@ class ToyDecoder(nn.Module):
         parameters' device. The caches are plain tensors held by each :class:`Attention` (not
         buffers, so ``Module.to`` never moves them behind a captured graph's back); they keep
         their addresses until the next ``allocate_cache``, which replaces them and so
-        invalidates graphs captured before it. Returns ``[(k_cache, v_cache), ...]`` per layer
-        so callers can inspect or pre-fill them.
+        invalidates graphs captured before it.
+
+        Args:
+            batch: the largest batch later steps may use, > 0.
+            device: where the caches go (default None: the parameters' device).
+
+        Returns:
+            ``[(k_cache, v_cache), ...]``, one pair per layer, so callers can inspect or
+            pre-fill them.
+
+        Raises:
+            ValueError: ``batch`` is not positive.
         """
         if batch <= 0:
             raise ValueError(f"batch must be positive, got {batch}")
@@ -390,9 +436,14 @@ class ToyDecoder(nn.Module):
         return caches
 
     def set_attention(self, fn: AttentionFn | None) -> None:
-        """Route every layer's attention core through ``fn`` (same signature as
-        :func:`attention_core`; e.g. a ``torch.compiler.disable`` wrapper, or another library's
-        break point); ``None`` restores the default routing."""
+        """Route every layer's attention core through ``fn``.
+
+        Args:
+            fn: a callable with the signature of ``attention_core``
+                ``(q, k, v, k_cache, v_cache, positions)`` (e.g. a ``torch.compiler.disable``
+                wrapper, or another library's break point); None restores the default routing
+                (a bcg break under the runtime flag, else a direct call).
+        """
         for block in self.blocks:
             block.attn.attention_override = fn
 
@@ -401,8 +452,18 @@ class ToyDecoder(nn.Module):
 
         ``tokens`` and ``positions`` are int64 ``[B]`` on the model's device, with
         ``positions[b]`` the index of ``tokens[b]`` in sequence ``b`` (``< max_context``, not
-        checked on the host). Updates the KV cache in place. Raises :class:`ValueError` on
-        mismatched shapes.
+        checked on the host). Updates the KV cache in place.
+
+        Args:
+            tokens: int64 ``[B]`` token ids.
+            positions: int64 ``[B]`` positions of ``tokens`` in their sequences.
+
+        Returns:
+            Logits ``[B, vocab]`` in the model's dtype.
+
+        Raises:
+            ValueError: ``tokens`` is not 1-D or ``positions`` has another shape.
+            RuntimeError: :meth:`allocate_cache` was not called.
         """
         if tokens.dim() != 1 or positions.shape != tokens.shape:
             raise ValueError(

@@ -89,10 +89,23 @@ def runner_contender(
     *args: Any,
     **kwargs: Any,
 ) -> Contender:
-    """The ``bcg`` contender of a runner-based workload: ``runner.capture(*args, **kwargs)``,
-    then every timed step is ``runner(*args, **kwargs)``; capture ms are the capture alone
-    (warm-ups excluded, as for ``full_graph``), and after timing one more call must equal the
-    eager ``step()`` bitwise. Skipped, with the reason, when the capture failed."""
+    """The ``bcg`` contender of a runner-based workload.
+
+    It calls ``runner.capture(*args, **kwargs)``, then every timed step is
+    ``runner(*args, **kwargs)``; capture ms are the capture alone (warm-ups excluded, as for
+    ``full_graph``), and after timing one more call must equal the eager ``step()`` bitwise.
+
+    Args:
+        ctx: the bench context.
+        runner: a fresh :class:`~bcg_core.BreakableGraphRunner` wrapping the model.
+        step: the eager step (the reference), which the contender also keeps alive.
+        *args: positional arguments of the runner's call.
+        **kwargs: keyword arguments of the runner's call.
+
+    Returns:
+        The ``"bcg"`` :class:`Contender`; skipped, with the blocked signature's reason, when
+        the capture failed.
+    """
     runner.capture(*args, **kwargs)
     if not runner.stats.entries:
         return Contender("bcg", None, skipped=f"capture failed: {runner.blocked_signatures}")
@@ -120,11 +133,19 @@ def replay_check(
     *,
     prepare: Callable[[], None] | None = None,
 ) -> Callable[[], bool]:
-    """A :attr:`Contender.check`: ``run()`` (one more replay, returning the contender's output)
-    must equal the eager output bitwise. A callable ``reference`` is the eager step, run at
-    check time, after the timing; a tensor is an eager output of the same inputs computed
-    earlier. ``prepare`` (for steps with state, e.g. a counter they advance) runs before the
-    eager step and again before ``run``, so both start from the same state."""
+    """A :attr:`Contender.check`: one more run must equal the eager output bitwise.
+
+    Args:
+        ctx: the bench context (its device is synchronised before comparing).
+        run: one more replay, returning the contender's output.
+        reference: the eager step (a callable, run at check time, after the timing) or a
+            tensor (an eager output of the same inputs computed earlier).
+        prepare: for steps with state (e.g. a counter they advance): run before the eager
+            step and again before ``run``, so both start from the same state (default None).
+
+    Returns:
+        The check: a zero-argument callable returning whether the outputs are equal.
+    """
 
     def check() -> bool:
         if callable(reference):
@@ -157,9 +178,20 @@ def full_graph_contender(
     *,
     prepare: Callable[[], None] | None = None,
 ) -> Contender:
-    """One plain ``torch.cuda.CUDAGraph`` of the whole step, checked after timing against
-    ``reference`` (see :func:`replay_check`; CUDA only; the caller makes sure the step is fully
-    capturable, e.g. with the flag off)."""
+    """One plain ``torch.cuda.CUDAGraph`` of the whole step, checked after timing.
+
+    CUDA only; the caller makes sure the step is fully capturable (e.g. with the flag off).
+    The step is warmed up on a side stream, then captured; capture ms are the capture alone.
+
+    Args:
+        ctx: the bench context.
+        step: the step to capture, returning its output tensor.
+        reference: what the replay must equal (see :func:`replay_check`).
+        prepare: resets the step's state before each side of the check (default None).
+
+    Returns:
+        The ``FULL_GRAPH`` :class:`Contender`; skipped when the device is not CUDA.
+    """
     device = ctx.device
     if device.type != "cuda":
         return Contender(FULL_GRAPH, None, skipped="needs CUDA")
@@ -227,14 +259,25 @@ def compile_contender(
     reference: Reference,
     exact: Callable[[], torch.Tensor],
 ) -> Contender:
-    """``torch.compile(mode="reduce-overhead")`` of the step (the caller makes the break a
-    graph break); CUDA only, and not in ``--smoke`` (compiling takes minutes on small hosts).
+    """The ``torch.compile(mode="reduce-overhead")`` contender of the step.
+
+    The caller makes the break a graph break. CUDA only, and not in ``--smoke`` (compiling takes
+    minutes on small hosts).
 
     Inductor fuses and reorders low-precision arithmetic, so it is not checked bitwise:
     ``exact()`` runs the same model in float32, and after timing the contender's next output is
     correct when its error against that is at most twice eager's (``reference``, a tensor or the
     eager step). ``exact`` is only called when the contender runs. Its capture ms are the three
     calls that compile and record it.
+
+    Args:
+        ctx: the bench context.
+        step: the step to compile, returning its output tensor.
+        reference: eager's output, a tensor or the eager step.
+        exact: a zero-argument callable that runs the same model in float32.
+
+    Returns:
+        The ``"torch.compile"`` :class:`Contender`; skipped off CUDA or under ``--smoke``.
     """
     if ctx.device.type != "cuda" or ctx.smoke:
         return Contender(COMPILE, None, skipped="needs CUDA and a full run (not --smoke)")
