@@ -17,10 +17,11 @@ BCG_FAILURE_HINT = (
 class BreakableGraphError(RuntimeError):
     """Base class for errors raised by bcg_core itself (never for errors raised by user code).
 
-    Catch it to tell bcg's own failures from the model's. Every subclass leaves no capture state
-    behind: the graph is reset, the stream is out of capture mode and the flag is restored. To
-    rule bcg out, rerun with ``BCG_DISABLE=1``; to find the failing break, set ``BCG_DEBUG=1``
-    (see :data:`BCG_FAILURE_HINT`).
+    Catch it to tell bcg's own failures from the model's. A capture that fails with one leaves
+    no capture state behind: the stream is out of capture mode, context variables and stream
+    hooks are reset, and the graph is in the failed state, ready for ``reset()``. To rule bcg
+    out, rerun with ``BCG_DISABLE=1``; to find the failing break, set ``BCG_DEBUG=1`` (see
+    :data:`BCG_FAILURE_HINT`).
     """
 
 
@@ -33,7 +34,8 @@ class CaptureError(BreakableGraphError):
     or where the backend has no device (no CUDA); when a break is reached on another thread than
     the segment's without ``capture_error_mode="relaxed"``; when a break leaves a fresh device
     tensor alive under ``debug="strict"``; when the CPU backend meets a host sync
-    (:class:`HostSyncError`); and by :func:`check_divergence` called inside a capture. The
+    (:class:`HostSyncError`); when a :func:`breakable_attention` implementation meets a
+    sliding-window layer at capture; and by :func:`check_divergence` called inside a capture. The
     message says what to do: run eagerly, capture again after ``reset()``, or move the call
     into an :func:`eager_on_graph` break.
     """
@@ -44,9 +46,10 @@ class UnjoinedStreamError(CaptureError):
 
     Raised at the end of a segment (at a break or at the end of the capture) when work was put
     on a side stream that waited on the capturing stream but the capturing stream never waited
-    on it, and ``auto_join=False`` or the join failed. The message names the stream. Make the
-    capturing stream wait on the side stream (``torch.cuda.current_stream().wait_stream(side)``
-    or an event) before the break, or leave ``auto_join=True``.
+    on it, and ``auto_join=False``, or when CUDA still reports unjoined work as the segment
+    ends. The message names the stream(s). Make the capturing stream wait on the side stream
+    (``torch.cuda.current_stream().wait_stream(side)`` or an event) before the break, or leave
+    ``auto_join=True``.
     """
 
 

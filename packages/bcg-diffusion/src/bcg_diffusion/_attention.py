@@ -161,8 +161,8 @@ def is_breakable_attention_installed(cls: type) -> bool:
         cls: an attention module or processor class.
 
     Returns:
-        True while :func:`install_breakable_attention`, a :class:`DiTRunner` or
-        :func:`make_attention_ops_breakable` holds a patch on its attention method.
+        True while :func:`install_breakable_attention` or a :class:`DiTRunner` (its
+        ``attention_classes``) holds a patch on the class's attention method.
 
     Raises:
         TypeError: ``cls`` is not a class with a ``forward`` or ``__call__`` method.

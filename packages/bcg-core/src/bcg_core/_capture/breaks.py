@@ -126,8 +126,9 @@ def eager_on_graph(
 
     Raises:
         TypeError: ``capture_stub`` or the decorated object is not callable.
-        BreakOutputError: at capture, ``strict=True`` and a device tensor was returned; at
-            replay, the returned structure, shapes or dtypes differ from capture's.
+        BreakOutputError: at capture, ``strict=True`` and a device tensor was returned (at
+            replay, :meth:`BreakableCUDAGraph.replay` raises it when the returned structure,
+            shapes or dtypes differ from capture's).
     """
     if capture_stub is not None and not callable(capture_stub):
         raise TypeError(f"capture_stub must be callable, got {capture_stub!r}")

@@ -157,8 +157,8 @@ class BreakableCUDAGraph:
         """Bytes the allocator holds in this graph's pool right now.
 
         Returns:
-            The pool's reserved bytes (shared with every graph that uses the pool), or None
-            where the backend cannot tell (CPU).
+            The total size of the allocator segments in the pool (shared with every graph that
+            uses it), or None where the backend cannot tell (CPU, or no memory snapshot).
         """
         return self._backend.pool_bytes(self.pool())
 

@@ -77,7 +77,7 @@ class DivergenceReport:
     """The outcome of :func:`bcg_core.check_divergence` (and of the runner's check_divergence).
 
     ``str()`` of a report is a readable summary with the likely cause and its fix. The fields
-    after ``breaks`` are set only on a difference (None or empty when ``ok``).
+    after ``breaks`` are set only when ``status`` is not ``"ok"`` (else None or empty).
 
     Attributes:
         status: ``"ok"`` (replay equals eager for every input set, break by break),

@@ -319,7 +319,8 @@ class BreakableGraphRunner:
     def warmup(self) -> Iterator[BreakableGraphRunner]:
         """Context manager: a window in which calls with unknown signatures are captured.
 
-        Windows nest and may be open in several threads; calls stay serialised by the lock.
+        The window belongs to the runner, not to the thread: while one is open, every caller's
+        unknown signatures are captured. Windows nest.
 
         Yields:
             This runner.

@@ -131,8 +131,8 @@ class BenchContext:
 
     Attributes:
         device: the device to run on.
-        smoke: True for a quick run that only checks the workload works (small sizes, few
-            cases); default False.
+        smoke: True under ``--smoke``: tiny sizes, to check that the workload runs (the
+            ``torch.compile`` contender is skipped); default False.
         repeats: interleaved timing repeats per contender (default 10).
         steps: steps per timed repeat (default 20).
         skip: contender names to leave out (``--skip``); default none.

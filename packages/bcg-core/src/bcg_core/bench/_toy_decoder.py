@@ -462,7 +462,8 @@ class ToyDecoder(nn.Module):
             Logits ``[B, vocab]`` in the model's dtype.
 
         Raises:
-            ValueError: ``tokens`` is not 1-D or ``positions`` has another shape.
+            ValueError: ``tokens`` is not 1-D, ``positions`` has another shape, or the batch is
+                larger than the cache's.
             RuntimeError: :meth:`allocate_cache` was not called.
         """
         if tokens.dim() != 1 or positions.shape != tokens.shape:
