@@ -23,36 +23,38 @@ _HEADER = re.compile(rf"^({'|'.join(SECTIONS)}):\s*$")
 _ENTRY = re.compile(r"^    (\*{0,2})(\w+)(?: \([^)]*\))?:")
 
 
-def _public() -> Iterator[tuple[str, Any]]:
-    """``(qualified name, object)`` for every class and function in the three ``__all__`` lists,
-    and for the public methods and properties (their getters) those classes define."""
+def _public() -> Iterator[tuple[str, Any, bool]]:
+    """``(qualified name, object, is a property)`` for every class and function in the three
+    ``__all__`` lists, and for the public methods and properties (their getters) those classes
+    define."""
     for package in PACKAGES:
         module = importlib.import_module(package)
         for name in module.__all__:
             obj = getattr(module, name)
             if not (inspect.isclass(obj) or inspect.isfunction(obj)):
                 continue  # constants (__version__, EAGER, BCG_FAILURE_HINT ...)
-            yield f"{package}.{name}", obj
+            yield f"{package}.{name}", obj, False
             if inspect.isclass(obj):
                 yield from _methods(f"{package}.{name}", obj)
 
 
-def _methods(owner: str, cls: type) -> Iterator[tuple[str, Any]]:
+def _methods(owner: str, cls: type) -> Iterator[tuple[str, Any, bool]]:
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     for name, attr in vars(cls).items():
         if (name.startswith("_") and name != "__call__") or name in fields:
             continue
         if isinstance(attr, (staticmethod, classmethod)):
             attr = attr.__func__
-        if isinstance(attr, property):
-            PROPERTIES.add(f"{owner}.{name}")
+        is_property = isinstance(attr, property)
+        if is_property:
             attr = attr.fget
         if inspect.isfunction(attr):
-            yield f"{owner}.{name}", attr
+            yield f"{owner}.{name}", attr, is_property
 
 
-PROPERTIES: set[str] = set()  # a property documents what it is, with no Returns: section
-PUBLIC = dict(_public())
+_WALKED = list(_public())
+PUBLIC = {name: obj for name, obj, _ in _WALKED}
+PROPERTIES = {name for name, _, is_property in _WALKED if is_property}  # no Returns: needed
 
 
 def _sections(doc: str) -> dict[str, list[str]]:
@@ -116,7 +118,7 @@ def problems(name: str, obj: Any) -> list[str]:
     if missing:
         found.append(f"{name}: parameters not under Args: {missing}")
     stale = [d for d in documented if d not in params]
-    if stale and not inspect.isclass(obj):
+    if stale:
         found.append(f"{name}: Args names what is no parameter: {stale}")
     returns = inspect.signature(obj).return_annotation if inspect.isfunction(obj) else "None"
     returns_something = returns not in ("None", None, inspect.Signature.empty)
