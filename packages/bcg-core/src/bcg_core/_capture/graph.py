@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from bcg_core._backends import GraphBackend, Segment, backend_for
 from bcg_core._capture.bridges import Bridge
 from bcg_core._capture.context import active_capture
@@ -205,6 +207,10 @@ class BreakableCUDAGraph:
     def break_names(self) -> tuple[str, ...]:
         """The name of each break step, in order."""
         return tuple(s.name for s in self._steps if isinstance(s, BreakStep))
+
+    def _bridge_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors every break's bridge holds (pooled ones through aliases)."""
+        return tuple(t for s in self._steps if isinstance(s, BreakStep) for t in s.bridge.tensors)
 
     def __repr__(self) -> str:
         return (

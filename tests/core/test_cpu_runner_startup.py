@@ -1,0 +1,96 @@
+"""What an engine learns from start-up: ``capture_many``'s report (per size: capture and
+warm-up ms, segments, breaks, pool bytes; failed calls with the reason), the graph memory a
+runner holds, and the progress bar. Scenarios run on the shared ``device`` fixture (the CPU
+graph backend everywhere, CUDA graphs where a GPU is present)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bcg_core import (
+    BreakableGraphRunner,
+    CaptureReport,
+    GraphMemory,
+    eager_on_graph,
+    is_breakable_capture_active,
+    signature_of,
+)
+
+
+@eager_on_graph
+def _squash(h: torch.Tensor) -> torch.Tensor:
+    return h.tanh()
+
+
+def _model(x: torch.Tensor) -> torch.Tensor:
+    return _squash(x * 2) + 1
+
+
+def _eager(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2).tanh() + 1
+
+
+def test_capture_many_reports_each_capture_in_order(device: str) -> None:
+    runner = BreakableGraphRunner(_model, device=device, warmup_iters=1)
+    sizes = (2, 64, 8, 64)  # the second 64 is a replay: not reported again
+    report = runner.capture_many([((torch.randn(b, 16),), {}) for b in sizes])
+    assert isinstance(report, CaptureReport)
+    expected = [signature_of((torch.randn(b, 16),), {}) for b in (64, 8, 2)]
+    assert [e.signature for e in report.captured] == expected
+    assert report.failed == ()
+    for e in report.captured:
+        assert (e.segments, e.breaks, e.capture_runs) == (2, 1, 2)
+        assert e.capture_ms > 0 and e.warmup_ms > 0
+        assert (e.pool_bytes is None) == (device == "cpu")
+    assert report.seconds * 1e3 >= sum(e.capture_ms + e.warmup_ms for e in report.captured)
+    assert report.memory == runner.graph_memory()
+    x = torch.randn(8, 16)
+    assert torch.equal(runner(x), _eager(x))
+
+
+def test_graph_memory_counts_static_buffers_and_bridges_outside_the_pool(device: str) -> None:
+    runner = BreakableGraphRunner(_model, device=device, as_tensor=("scale",))
+    assert runner.graph_memory() == GraphMemory(0, 0, 0)  # nothing captured, no pool yet
+    sizes = (32, 4)
+    runner.capture_many([((torch.randn(b, 16),), {}) for b in sizes])
+    memory = runner.graph_memory()
+    assert memory.static_bytes == sum(b * 16 * 4 for b in sizes)  # float32 inputs
+    if device == "cpu":
+        # The CPU backend cannot route a break's output into a pool: it is held strongly.
+        assert memory.pool_bytes is None and memory.total_bytes is None
+        assert memory.bridge_bytes == sum(b * 16 * 4 for b in sizes)
+    else:
+        # Bridges lie in the pool (held through aliases) and are counted there.
+        assert memory.bridge_bytes == 0
+        assert memory.pool_bytes is not None and memory.pool_bytes > 0
+        assert memory.total_bytes == memory.pool_bytes + memory.static_bytes
+    runner.reset()
+    assert runner.graph_memory() == GraphMemory(0, 0, 0)
+
+
+def test_a_failed_capture_is_reported_with_its_reason(device: str) -> None:
+    def model(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 3 and is_breakable_capture_active():
+            raise RuntimeError("batch 3 cannot be captured")
+        return _model(x)
+
+    runner = BreakableGraphRunner(model, device=device, warmup_iters=0)
+    report = runner.capture_many([((torch.randn(b, 4),), {}) for b in (4, 3, 2)])
+    assert len(report.captured) == 2
+    (sig, why), = report.failed
+    assert "batch 3 cannot be captured" in why
+    assert sig in runner.blocked_signatures
+    x = torch.randn(3, 4)
+    assert torch.equal(runner(x), _eager(x))  # served eagerly
+
+
+def test_capture_many_draws_a_progress_bar_only_when_asked(
+    device: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("tqdm")
+    calls = [((torch.randn(b, 4),), {}) for b in (4, 2)]
+    BreakableGraphRunner(_model, device=device).capture_many(calls)
+    assert "bcg capture" not in capsys.readouterr().err  # stderr is not a terminal here
+    BreakableGraphRunner(_model, device=device).capture_many(calls, progress=True)
+    assert "bcg capture" in capsys.readouterr().err
