@@ -16,6 +16,8 @@ from bcg_core import (
     is_breakable_capture_active,
     signature_of,
 )
+from bcg_core.bench import BenchContext
+from bcg_core.bench._workloads import PEER, discover  # noqa: PLC2701
 
 
 @eager_on_graph
@@ -78,7 +80,7 @@ def test_a_failed_capture_is_reported_with_its_reason(device: str) -> None:
     runner = BreakableGraphRunner(model, device=device, warmup_iters=0)
     report = runner.capture_many([((torch.randn(b, 4),), {}) for b in (4, 3, 2)])
     assert len(report.captured) == 2
-    (sig, why), = report.failed
+    ((sig, why),) = report.failed
     assert "batch 3 cannot be captured" in why
     assert sig in runner.blocked_signatures
     x = torch.randn(3, 4)
@@ -94,3 +96,24 @@ def test_capture_many_draws_a_progress_bar_only_when_asked(
     assert "bcg capture" not in capsys.readouterr().err  # stderr is not a terminal here
     BreakableGraphRunner(_model, device=device).capture_many(calls, progress=True)
     assert "bcg capture" in capsys.readouterr().err
+
+
+def test_capture_scale_smoke_reports_every_contender(device: str) -> None:
+    rows = discover()["capture-scale"](BenchContext(torch.device(device), smoke=True))
+    startup = {m.contender: m for m in rows if m.case.startswith("start-up")}
+    assert set(startup) == {"full_graph", "bcg", "bcg-record-only", "runner", PEER}
+    for name in ("bcg", "runner"):
+        m = startup[name]
+        assert m.skipped is None and m.correct is True, m
+        assert m.capture_ms is not None and 0 < m.capture_ms <= m.details["startup_s"] * 1e3
+    report = startup["runner"].details["per_size"]
+    assert [r["batch"] for r in report] == [2, 1]
+    assert all(r["segments"] == 3 and r["breaks"] == 2 for r in report)  # 2 layers
+    memory_rows = [m for m in rows if m.case in ("reserved MB", "device MB", "held MB")]
+    if device == "cpu":
+        assert startup["full_graph"].skipped == "needs CUDA"
+        assert memory_rows == []
+    else:
+        assert startup["full_graph"].correct is True
+        assert startup["bcg-record-only"].correct is True
+        assert {m.contender for m in memory_rows} >= {"full_graph", "bcg", "runner"}

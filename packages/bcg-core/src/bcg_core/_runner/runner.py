@@ -210,6 +210,7 @@ class BreakableGraphRunner:
         self._scalars = ScalarSlots(as_tensor, module)
         self._lift = self._scalars.lift if self._scalars else None
         self._window = 0
+        self._discard_outputs = False  # capture_many: no clone of outputs nobody reads
         self._entries: OrderedDict[Signature, Entry] = OrderedDict()
         self._blocked: dict[Signature, str] = {}
         self._logged_misses: set[Signature] = set()
@@ -289,7 +290,11 @@ class BreakableGraphRunner:
             for args, kwargs in checked:
                 with self._lock:
                     before = (self._counts["captures"], self._counts["failed"])
-                    self(*args, **kwargs)
+                    self._discard_outputs = True
+                    try:
+                        self(*args, **kwargs)
+                    finally:
+                        self._discard_outputs = False
                     if self._counts["captures"] > before[0]:
                         sig = next(reversed(self._entries))
                         captured.append(self._entry_stats(sig, self._entries[sig]))
@@ -550,7 +555,8 @@ class BreakableGraphRunner:
             self._counts["evictions"] += 1
         # The capture executed the step (segments are launched as they are captured), so its
         # output holds this call's result: no replay is needed.
-        result = output if self.return_views else entry.clone()
+        # (A clone capture_many discards would stay cached outside the pool.)
+        result = output if self.return_views or self._discard_outputs else entry.clone()
         self._turn.record(current)
         return result
 

@@ -72,6 +72,8 @@ class Measurement:
     correct: bool | None = None
     ratio_to_full_graph: Stats | None = None
     ratio_to_eager: Stats | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    """Figures of a workload's own beyond the table's columns (JSON only)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
