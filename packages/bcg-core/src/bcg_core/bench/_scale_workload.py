@@ -111,7 +111,7 @@ def capture_scale_workload(ctx: BenchContext) -> list[Measurement]:
     case = f"{len(sizes)} batch sizes {sizes[-1]}-{sizes[0]}, {cfg.layers} layers"
     ctx.progress(f"{WORKLOAD}: building the model ({cfg.layers} layers, hidden {cfg.hidden})")
     with torch.no_grad():
-        model = ToyDecoder(cfg, seed=0, device=ctx.device)
+        model = ToyDecoder(cfg, seed=0, device=ctx.device, draw_on_device=True)
         model.allocate_cache(max(sizes))
         inputs = {
             b: (
