@@ -58,3 +58,23 @@ def test_capture_many_keeps_reserved_only_what_its_graphs_hold() -> None:
         for x, want in zip(inputs, expected, strict=True):
             assert torch.equal(runner(x), want)
         runner.reset()
+
+
+def test_a_runner_on_a_bare_pool_id_captures_and_replays() -> None:
+    """A bare id from torch.cuda.graph_pool_handle() names no allocator pool before its first
+    capture: warm-ups are not routed into it (a pool made and released by routing is refused
+    by the capture that follows)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 256, generator=gen).cuda()
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        return _act(x @ w) @ w
+
+    runner = BreakableGraphRunner(model, device="cuda", pool=torch.cuda.graph_pool_handle())
+    inputs = [torch.randn(b, 256, generator=gen).cuda() for b in (64, 8)]
+    with torch.no_grad():
+        report = runner.capture_many([((x,), {}) for x in inputs])
+        assert len(report.captured) == 2 and report.failed == ()
+        for x in inputs:
+            assert torch.equal(runner(x), model(x))
+    assert runner.stats.hits == 2

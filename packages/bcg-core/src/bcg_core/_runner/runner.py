@@ -503,12 +503,15 @@ class BreakableGraphRunner:
         try:
             # Warm-ups run where the capture will, with their allocations routed to the pool:
             # the capture reuses the blocks they freed (same pool, same stream), so nothing they
-            # allocated stays cached outside the pool (DESIGN.md, "Warm-ups in the pool").
-            with (
-                backend.stream_context(lane),
-                backend.allocate_to_pool(pool, device),
-                enable_breakable_cuda_graph(),
-            ):
+            # allocated stays cached outside the pool (DESIGN.md, "Warm-ups in the pool"). Not
+            # into a bare pool id (a tuple): before its first capture the allocator has no such
+            # pool, and one made and released by routing is refused by the capture after it.
+            routed = (
+                contextlib.nullcontext()
+                if isinstance(pool, tuple)
+                else backend.allocate_to_pool(pool, device)
+            )
+            with backend.stream_context(lane), routed, enable_breakable_cuda_graph():
                 for _ in range(self.warmup_iters):
                     self.module(*static_args, **static_kwargs)
             backend.synchronize((lane,))  # start-up only: the capture's own time is reported
