@@ -52,7 +52,7 @@ def test_capture_many_reports_each_capture_in_order(device: str) -> None:
 
 
 def test_graph_memory_counts_static_buffers_and_bridges_outside_the_pool(device: str) -> None:
-    runner = BreakableGraphRunner(_model, device=device, as_tensor=("scale",))
+    runner = BreakableGraphRunner(_model, device=device)
     assert runner.graph_memory() == GraphMemory(0, 0, 0)  # nothing captured, no pool yet
     sizes = (32, 4)
     runner.capture_many([((torch.randn(b, 16),), {}) for b in sizes])
