@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_helpers import device_graph
 
 from bcg_core import (
+    BreakableCUDAGraphCapture,
     BreakableGraphRunner,
+    CaptureError,
     CaptureReport,
     GraphMemory,
     eager_on_graph,
+    enable_breakable_cuda_graph,
     is_breakable_capture_active,
     signature_of,
 )
@@ -101,7 +105,14 @@ def test_capture_many_draws_a_progress_bar_only_when_asked(
 def test_capture_scale_smoke_reports_every_contender(device: str) -> None:
     rows = discover()["capture-scale"](BenchContext(torch.device(device), smoke=True))
     startup = {m.contender: m for m in rows if m.case.startswith("start-up")}
-    assert set(startup) == {"full_graph", "bcg", "bcg-record-only", "runner", PEER}
+    assert set(startup) == {
+        "full_graph",
+        "bcg",
+        "bcg-side-stream",
+        "bcg-record-only",
+        "runner",
+        PEER,
+    }
     for name in ("bcg", "runner"):
         m = startup[name]
         assert m.skipped is None and m.correct is True, m
@@ -116,4 +127,21 @@ def test_capture_scale_smoke_reports_every_contender(device: str) -> None:
     else:
         assert startup["full_graph"].correct is True
         assert startup["bcg-record-only"].correct is True
+        assert startup["bcg-side-stream"].correct is True
         assert {m.contender for m in memory_rows} >= {"full_graph", "bcg", "runner"}
+
+
+def test_a_graph_warms_up_in_its_block_and_refuses_inside_a_capture(device: str) -> None:
+    graph = device_graph()
+    x = torch.randn(8, 16)
+    with enable_breakable_cuda_graph():
+        with graph.warmup():
+            for _ in range(2):
+                _model(x)
+        with BreakableCUDAGraphCapture(graph):
+            out = _model(x)
+            with pytest.raises(CaptureError, match="warm up before capturing"), graph.warmup():
+                pass
+    x.copy_(torch.randn(8, 16))
+    graph.replay()
+    assert torch.equal(out, _eager(x))

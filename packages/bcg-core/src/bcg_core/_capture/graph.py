@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -149,6 +150,37 @@ class BreakableCUDAGraph:
         """Bytes the allocator holds in this graph's pool right now (shared with every graph
         that uses the pool), or None where the backend cannot tell (CPU)."""
         return self._backend.pool_bytes(self.pool())
+
+    @contextlib.contextmanager
+    def warmup(self) -> Iterator[Any]:
+        """Run the warm-ups before a capture of this graph inside this block: on the stream
+        the capture will use (the pool's capture lane, its cuBLAS workspace made first in
+        memory of its own), ordered after the caller's stream and before its next work, with
+        the calling thread's allocations routed to the graph's pool. What the warm-ups free
+        then stays in the pool, where the capture reuses it, instead of cached outside it (the
+        memory ``torch.cuda.graph`` releases with ``empty_cache()`` at every capture). Yields
+        the stream. A bare pool id (a tuple) is not routed into: the allocator has no pool of
+        that id before its first capture. Raises :class:`CaptureError` inside a capture (warm
+        up before it) and where the backend cannot capture.
+        """
+        if active_capture() is not None:
+            raise CaptureError("warmup() inside a breakable capture: warm up before capturing")
+        backend = self._backend
+        backend.check_available()
+        pool = self.pool()
+        caller = backend.current_stream()
+        lane = backend.capture_stream(pool, caller.device)
+        lane.wait_stream(caller)
+        routed = (
+            contextlib.nullcontext()
+            if isinstance(pool, tuple)
+            else backend.allocate_to_pool(pool, caller.device)
+        )
+        try:
+            with backend.stream_context(lane), routed:
+                yield lane
+        finally:
+            caller.wait_stream(lane)
 
     def replay(self) -> None:
         """Launch every non-empty segment and run every break, in capture order."""

@@ -493,41 +493,23 @@ class BreakableGraphRunner:
         # Static buffers and scalar slots are device memory the graph re-reads at every replay.
         backend.note_graph_memory(pool, [*statics, *scalars])
         current = backend.current_stream(device)
-        # The pool's capture lane (its cuBLAS workspace made in the lane's own pool first).
-        lane = backend.capture_stream(pool, device)
-        # The lane reads the static buffers written on the current stream, and may reuse pool
-        # memory that the last replay (on any stream) still uses.
-        lane.wait_stream(current)
-        self._turn.wait(lane)
         started = time.perf_counter()
         try:
-            # Warm-ups run where the capture will, with their allocations routed to the pool:
-            # the capture reuses the blocks they freed (same pool, same stream), so nothing they
-            # allocated stays cached outside the pool (DESIGN.md, "Warm-ups in the pool"). Not
-            # into a bare pool id (a tuple): before its first capture the allocator has no such
-            # pool, and one made and released by routing is refused by the capture after it.
-            routed = (
-                contextlib.nullcontext()
-                if isinstance(pool, tuple)
-                else backend.allocate_to_pool(pool, device)
-            )
-            with backend.stream_context(lane), routed, enable_breakable_cuda_graph():
+            # Warm-ups where the capture will run, their allocations in the pool: the capture
+            # reuses the blocks they freed (DESIGN.md, "Warm-ups in the pool").
+            with graph.warmup() as lane, enable_breakable_cuda_graph():
+                # They may reuse pool memory that the last replay (on any stream) still uses.
+                self._turn.wait(lane)
                 for _ in range(self.warmup_iters):
                     self.module(*static_args, **static_kwargs)
             backend.synchronize((lane,))  # start-up only: the capture's own time is reported
             captured = time.perf_counter()
-            with (
-                backend.stream_context(lane),
-                enable_breakable_cuda_graph(),
-                BreakableCUDAGraphCapture(graph),
-            ):
+            with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
                 output = self.module(*static_args, **static_kwargs)
             backend.synchronize((lane,))
             done = time.perf_counter()
         except Exception as exc:
-            current.wait_stream(lane)  # before the static buffers are freed
             return self._capture_failed(sig, graph, exc, call)
-        current.wait_stream(lane)
         if self.max_segments is not None and graph.num_segments > self.max_segments:
             self.disabled_reason = (
                 f"a capture produced {graph.num_segments} graph segments, more than "

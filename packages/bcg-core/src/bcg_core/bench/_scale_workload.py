@@ -9,8 +9,10 @@ per size right before its capture, all into one pool, by each contender:
 - ``full_graph``: plain ``torch.cuda.CUDAGraph`` per size (flag off: attention captured too),
   warm-ups and capture on one side stream, ``torch.cuda.graph(pool=...)`` (which empties the
   allocator's cache and synchronises at each capture, as torch does);
-- ``bcg``: :class:`BreakableCUDAGraph` by hand, warm-ups on a side stream as torch's graph docs
-  write them, then :class:`BreakableCUDAGraphCapture` into the shared pool;
+- ``bcg``: :class:`BreakableCUDAGraph` by hand, warm-ups inside ``graph.warmup()`` (on the
+  capture lane, in the pool), then :class:`BreakableCUDAGraphCapture` into the shared pool;
+- ``bcg-side-stream``: the same with warm-ups on a side stream, as torch's graph docs write
+  them (what they free stays cached outside the pool: the memory the runner used to keep);
 - ``bcg-record-only``: the same with ``faithful=False`` (segments are not launched at capture):
   the difference to ``bcg`` is what running the step during the capture costs;
 - ``runner``: :meth:`BreakableGraphRunner.capture_many` (warm-ups on the pool's capture lane,
@@ -70,7 +72,8 @@ SMOKE_SIZES = (2, 1)
 WARMUPS = 2
 RUNNER = "runner"
 RECORD_ONLY = "bcg-record-only"
-CONTENDERS = (FULL_GRAPH, "bcg", RECORD_ONLY, RUNNER, PEER)
+SIDE_STREAM = "bcg-side-stream"
+CONTENDERS = (FULL_GRAPH, "bcg", SIDE_STREAM, RECORD_ONLY, RUNNER, PEER)
 MB = 2**20
 
 Inputs = tuple[torch.Tensor, torch.Tensor]
@@ -125,8 +128,11 @@ def capture_scale_workload(ctx: BenchContext) -> list[Measurement]:
         once = _prime(ctx, model, inputs[sizes[-1]], warm_stream) if cuda else {}
         makers: dict[str, Callable[[], _StartUp] | str] = {
             FULL_GRAPH: (lambda: _plain(model, inputs, warm_stream)) if cuda else "needs CUDA",
-            "bcg": lambda: _by_hand(ctx, model, inputs, warm_stream, faithful=True),
-            RECORD_ONLY: (lambda: _by_hand(ctx, model, inputs, warm_stream, faithful=False))
+            "bcg": lambda: _by_hand(ctx, model, inputs, None, faithful=True),
+            SIDE_STREAM: (lambda: _by_hand(ctx, model, inputs, warm_stream, faithful=True))
+            if cuda
+            else "needs CUDA (streams)",
+            RECORD_ONLY: (lambda: _by_hand(ctx, model, inputs, None, faithful=False))
             if cuda
             else "CUDA only (the CPU backend executes what it records)",
             RUNNER: lambda: _runner(ctx, model, inputs),
@@ -290,10 +296,11 @@ def _by_hand(
     started = time.perf_counter()
     with enable_breakable_cuda_graph():
         for b, (tokens, positions) in inputs.items():
-            with _on(stream):
+            graph = first if not graphs else BreakableCUDAGraph(pool, backend=backend)
+            # Without a side stream: in the graph's warm-up block (its lane, its pool).
+            with _on(stream) if stream is not None else graph.warmup():
                 for _ in range(WARMUPS):
                     model(tokens, positions)
-            graph = first if not graphs else BreakableCUDAGraph(pool, backend=backend)
             graphs[b] = graph
             with _timed(ctx) as block, BreakableCUDAGraphCapture(graph, faithful=faithful):
                 outs[b] = model(tokens, positions)
