@@ -145,3 +145,12 @@ def test_a_graph_warms_up_in_its_block_and_refuses_inside_a_capture(device: str)
     x.copy_(torch.randn(8, 16))
     graph.replay()
     assert torch.equal(out, _eager(x))
+
+
+def test_capture_many_beyond_max_entries_says_so(
+    device: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    runner = BreakableGraphRunner(_model, device=device, warmup_iters=0, max_entries=2)
+    report = runner.capture_many([((torch.randn(b, 4),), {}) for b in (4, 3, 2)])
+    assert len(report.captured) == 3 and len(runner.stats.entries) == 2
+    assert any("evicted 1 graph" in r.getMessage() for r in caplog.records)

@@ -271,7 +271,9 @@ class BreakableGraphRunner:
         total bytes of the call's tensors (ties keep the given order): a graph captured later
         into the shared pool reuses the memory that larger graphs freed during their capture,
         so the pool ends up the size of the largest graph. ``order="given"`` keeps the order.
-        Outputs are not kept (use :meth:`capture` for one).
+        Outputs are not kept (use :meth:`capture` for one). Beyond ``max_entries`` (default 8)
+        the least recently used entries are evicted as usual, with a warning: an engine passes
+        ``max_entries`` >= its number of shapes.
 
         ``progress``: a progress bar on stderr (tqdm, else rich, when installed); None (the
         default) shows it when stderr is a terminal. Returns a :class:`CaptureReport`; calls
@@ -284,6 +286,7 @@ class BreakableGraphRunner:
         if order == "largest_first":
             checked.sort(key=_call_bytes, reverse=True)  # stable: ties keep the given order
         started = time.perf_counter()
+        evictions = self._counts["evictions"]
         captured: list[EntryStats] = []
         failed: list[tuple[Signature, str]] = []
         with self.warmup(), capture_progress(len(checked), progress) as advance:
@@ -303,6 +306,13 @@ class BreakableGraphRunner:
                         failed.append((sig, self._blocked[sig]))
                 advance(_shapes(args, kwargs))
         seconds = time.perf_counter() - started
+        if self._counts["evictions"] > evictions:
+            logger.warning(
+                "bcg: capture_many evicted %d graph(s) it had just captured (max_entries=%d); "
+                "pass max_entries >= the number of shapes to keep them all",
+                self._counts["evictions"] - evictions,
+                self.max_entries,
+            )
         return CaptureReport(tuple(captured), tuple(failed), seconds, self.graph_memory())
 
     def graph_memory(self) -> GraphMemory:

@@ -315,7 +315,10 @@ def _by_hand(
 
 
 def _runner(ctx: BenchContext, model: ToyDecoder, inputs: dict[int, Inputs]) -> _StartUp:
-    runner = BreakableGraphRunner(model, device=ctx.device, warmup_iters=WARMUPS)
+    # One entry per size (the default max_entries, 8, would evict all but the last 8).
+    runner = BreakableGraphRunner(
+        model, device=ctx.device, warmup_iters=WARMUPS, max_entries=len(inputs)
+    )
     started = time.perf_counter()
     report = runner.capture_many([(i, {}) for i in inputs.values()], order="given")
     ctx.synchronize()
@@ -339,7 +342,10 @@ def _runner(ctx: BenchContext, model: ToyDecoder, inputs: dict[int, Inputs]) -> 
 
     def replay(b: int) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
+            misses = runner.stats.misses
             out: torch.Tensor = runner(*inputs[b])
+            if runner.stats.misses != misses:  # served eagerly: no graph was checked
+                raise RuntimeError(f"the runner has no graph for batch {b}")
             return out
 
         return run
