@@ -86,7 +86,8 @@ def test_capture_many_captures_largest_first_or_in_the_given_order(device: str) 
 
     calls = [((torch.randn(b, 4),), {"scale": 2.0}) for b in (2, 16, 4, 16)]
     runner = BreakableGraphRunner(model, device=device, warmup_iters=0)
-    assert runner.capture_many(calls) is None
+    report = runner.capture_many(calls)
+    assert [e.signature for e in report.captured] == [e.signature for e in runner.stats.entries]
     assert seen == [16, 4, 2]  # the second batch 16 replays (Python does not run)
     assert runner.stats.captures == 3 and runner.stats.hits == 1
     seen.clear()

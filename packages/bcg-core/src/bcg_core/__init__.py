@@ -34,7 +34,13 @@ from bcg_core._errors import (
     UnjoinedStreamError,
 )
 from bcg_core._integrations.transformers import breakable_attention
-from bcg_core._runner.runner import BreakableGraphRunner, EntryStats, RunnerStats
+from bcg_core._runner.runner import (
+    BreakableGraphRunner,
+    CaptureReport,
+    EntryStats,
+    GraphMemory,
+    RunnerStats,
+)
 from bcg_core._signature import describe_difference, signature_of
 from bcg_core._version import __version__
 
@@ -46,8 +52,10 @@ __all__ = [
     "BreakableGraphError",
     "BreakableGraphRunner",
     "CaptureError",
+    "CaptureReport",
     "DivergenceReport",
     "EntryStats",
+    "GraphMemory",
     "ReplayError",
     "RunnerStats",
     "TensorDiff",

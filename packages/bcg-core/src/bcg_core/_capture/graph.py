@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import torch
 
 from bcg_core._backends import GraphBackend, Segment, backend_named
 from bcg_core._capture.bridges import Bridge
@@ -162,6 +165,44 @@ class BreakableCUDAGraph:
         """
         return self._backend.pool_bytes(self.pool())
 
+    @contextlib.contextmanager
+    def warmup(self) -> Iterator[Any]:
+        """Run the warm-ups before a capture of this graph inside this block.
+
+        The block runs on the stream the capture will use (the pool's capture lane, its cuBLAS
+        workspace made first in memory of its own), ordered after the caller's stream and before
+        its next work, with the calling thread's allocations routed to the graph's pool. What
+        the warm-ups free then stays in the pool, where the capture reuses it, instead of cached
+        outside it (the memory ``torch.cuda.graph`` releases with ``empty_cache()`` at every
+        capture). A bare pool id (a tuple) is not routed into: the allocator has no pool of that
+        id before its first capture.
+
+        Yields:
+            The stream the warm-ups run on.
+
+        Raises:
+            CaptureError: inside a capture (warm up before it), or where the backend cannot
+                capture (no CUDA: use ``backend="cpu"``).
+        """
+        if active_capture() is not None:
+            raise CaptureError("warmup() inside a breakable capture: warm up before capturing")
+        backend = self._backend
+        backend.check_available()
+        pool = self.pool()
+        caller = backend.current_stream()
+        lane = backend.capture_stream(pool, caller.device)
+        lane.wait_stream(caller)
+        routed = (
+            contextlib.nullcontext()
+            if isinstance(pool, tuple)
+            else backend.allocate_to_pool(pool, caller.device)
+        )
+        try:
+            with backend.stream_context(lane), routed:
+                yield lane
+        finally:
+            caller.wait_stream(lane)
+
     def replay(self) -> None:
         """Launch every non-empty segment and run every break, in capture order.
 
@@ -235,6 +276,10 @@ class BreakableCUDAGraph:
     def break_names(self) -> tuple[str, ...]:
         """The name of each break step, in order."""
         return tuple(s.name for s in self._steps if isinstance(s, BreakStep))
+
+    def _bridge_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors every break's bridge holds (pooled ones through aliases)."""
+        return tuple(t for s in self._steps if isinstance(s, BreakStep) for t in s.bridge.tensors)
 
     def __repr__(self) -> str:
         return (

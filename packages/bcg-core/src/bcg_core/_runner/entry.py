@@ -44,6 +44,7 @@ class Entry:
     capture_ms: float
     pool_bytes: int | None
     replays: int = 0
+    warmup_ms: float = 0.0
     _copy: tuple[int, ...] = field(init=False)
     clone: Callable[[], Any] = field(init=False)
 

@@ -15,6 +15,7 @@ import torch
 
 from bcg_core import _trees
 from bcg_core._backends import backend_for_device
+from bcg_core._capture.bridges import PoolAddresses
 from bcg_core._capture.capture import BreakableCUDAGraphCapture
 from bcg_core._capture.flag import (
     breakable_graphs_disabled,
@@ -28,6 +29,7 @@ from bcg_core._diagnostics.divergence import runner_divergence
 from bcg_core._diagnostics.divergence_report import DivergenceReport
 from bcg_core._runner.entry import Entry
 from bcg_core._runner.pool import PoolTurn, share_turn
+from bcg_core._runner.progress import capture_progress
 from bcg_core._runner.scalars import ScalarSlots
 from bcg_core._signature import (
     Signature,
@@ -61,6 +63,7 @@ class EntryStats:
         pool: the memory pool it was captured into.
         capture_ms: the wall time of the capture itself in ms (warm-ups excluded; the capture
             stream synchronised at its end).
+        warmup_ms: the wall time of its warm-ups in ms.
     """
 
     signature: Signature
@@ -71,6 +74,54 @@ class EntryStats:
     capture_runs: int
     pool: Any
     capture_ms: float
+    warmup_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class GraphMemory:
+    """The device memory a runner's graphs hold, in bytes.
+
+    See :meth:`BreakableGraphRunner.graph_memory`.
+
+    Attributes:
+        pool_bytes: what the allocator holds in the runner's pool (graph intermediates, bridges
+            and outputs; shared with every graph and runner using the pool; None where the
+            backend cannot tell).
+        static_bytes: the static input buffers and scalar slots of every entry (allocated
+            outside the pool).
+        bridge_bytes: break outputs held outside the pool (a break that returns a tensor it
+            did not allocate in the capture, e.g. a buffer of its own).
+    """
+
+    pool_bytes: int | None
+    static_bytes: int
+    bridge_bytes: int
+
+    @property
+    def total_bytes(self) -> int | None:
+        """Everything above (None when the pool's size is unknown)."""
+        if self.pool_bytes is None:
+            return None
+        return self.pool_bytes + self.static_bytes + self.bridge_bytes
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    """What :meth:`BreakableGraphRunner.capture_many` did.
+
+    Attributes:
+        captured: the entries it captured, in capture order (each with its capture and warm-up
+            ms, segments, breaks and the pool's bytes right after it).
+        failed: the calls whose capture failed, as (signature, reason); they run eagerly.
+        seconds: the wall time of the whole start-up (warm-ups and captures).
+        memory: the graph memory the runner holds afterwards, which is what an engine
+            subtracts before sizing its KV cache.
+    """
+
+    captured: tuple[EntryStats, ...]
+    failed: tuple[tuple[Signature, str], ...]
+    seconds: float
+    memory: GraphMemory
 
 
 @dataclass(frozen=True)
@@ -212,12 +263,12 @@ class BreakableGraphRunner:
         self._scalars = ScalarSlots(as_tensor, module)
         self._lift = self._scalars.lift if self._scalars else None
         self._window = 0
+        self._discard_outputs = False  # capture_many: no clone of outputs nobody reads
         self._entries: OrderedDict[Signature, Entry] = OrderedDict()
         self._blocked: dict[Signature, str] = {}
         self._logged_misses: set[Signature] = set()
         self._no_cuda_noticed = False
         self._disabled_noticed = False
-        self._side: Any = None
         self._counts = {"hits": 0, "misses": 0, "captures": 0, "failed": 0, "evictions": 0}
 
     # -- the module stand-in ------------------------------------------------------------------
@@ -288,18 +339,31 @@ class BreakableGraphRunner:
             return self(*args, **kwargs)
 
     def capture_many(
-        self, calls: Iterable[Call], *, order: Literal["largest_first", "given"] = "largest_first"
-    ) -> None:
+        self,
+        calls: Iterable[Call],
+        *,
+        order: Literal["largest_first", "given"] = "largest_first",
+        progress: bool | None = None,
+    ) -> CaptureReport:
         """Capture one graph per call, as engines do at start-up.
 
         ``order="largest_first"`` captures in decreasing total bytes of the call's tensors (ties
         keep the given order): a graph captured later into the shared pool reuses the memory
         that larger graphs freed during their capture, so the pool ends up the size of the
-        largest graph. Outputs are not kept (use :meth:`capture` for one); see :attr:`stats`.
+        largest graph. Outputs are not kept (use :meth:`capture` for one). Beyond
+        ``max_entries`` (default 8) the least recently used entries are evicted as usual, with a
+        warning: an engine passes ``max_entries`` >= its number of shapes. Calls already
+        captured are replayed once and not reported again.
 
         Args:
             calls: ``(args, kwargs)`` pairs, an args tuple and a kwargs dict each.
             order: ``"largest_first"`` (the default) or ``"given"`` (keep the given order).
+            progress: a progress bar on stderr (tqdm, else rich, when installed); None (the
+                default) shows it when stderr is a terminal.
+
+        Returns:
+            A :class:`CaptureReport`: per size its capture and warm-up ms, segments, breaks and
+            pool bytes after; the sizes that failed and why; the memory the runner holds.
 
         Raises:
             ValueError: ``order`` has another value.
@@ -311,9 +375,65 @@ class BreakableGraphRunner:
         checked = [_check_call(i, c) for i, c in enumerate(calls)]
         if order == "largest_first":
             checked.sort(key=_call_bytes, reverse=True)  # stable: ties keep the given order
-        with self.warmup():
+        started = time.perf_counter()
+        evictions = self._counts["evictions"]
+        captured: list[EntryStats] = []
+        failed: list[tuple[Signature, str]] = []
+        with self.warmup(), capture_progress(len(checked), progress) as advance:
             for args, kwargs in checked:
-                self(*args, **kwargs)
+                with self._lock:
+                    before = (self._counts["captures"], self._counts["failed"])
+                    self._discard_outputs = True
+                    try:
+                        self(*args, **kwargs)
+                    finally:
+                        self._discard_outputs = False
+                    if self._counts["captures"] > before[0]:
+                        sig = next(reversed(self._entries))
+                        captured.append(self._entry_stats(sig, self._entries[sig]))
+                    elif self._counts["failed"] > before[1]:
+                        sig = next(reversed(self._blocked))
+                        failed.append((sig, self._blocked[sig]))
+                advance(_shapes(args, kwargs))
+        seconds = time.perf_counter() - started
+        if self._counts["evictions"] > evictions:
+            logger.warning(
+                "bcg: capture_many evicted %d graph(s) it had just captured (max_entries=%d); "
+                "pass max_entries >= the number of shapes to keep them all",
+                self._counts["evictions"] - evictions,
+                self.max_entries,
+            )
+        return CaptureReport(tuple(captured), tuple(failed), seconds, self.graph_memory())
+
+    def graph_memory(self) -> GraphMemory:
+        """The device memory this runner's graphs hold now.
+
+        Measure it after the start-up captures and give the rest of the device to the KV cache.
+        Waits for nothing; the pool's figure is the allocator's, read from its snapshot.
+
+        Returns:
+            A :class:`GraphMemory` (pool, static buffers, bridges outside the pool).
+        """
+        with self._lock:
+            backend = self._graph_backend
+            # Entries captured before a failed capture keep the pool they were captured into.
+            pools = {id(e.graph.pool()): e.graph.pool() for e in self._entries.values()}
+            if self._pool is not None:
+                pools.setdefault(id(self._pool), self._pool)
+            sizes = [backend.pool_bytes(p) for p in pools.values()]
+            pool_bytes = None if None in sizes else sum(n for n in sizes if n is not None)
+            statics: dict[int, int] = {}
+            bridges: dict[int, int] = {}
+            for entry in self._entries.values():
+                for t in (*entry.statics, *entry.scalars):
+                    _note_storage(statics, t)
+                tensors = entry.graph._bridge_tensors()
+                if tensors:
+                    pooled = PoolAddresses(backend, entry.graph.pool(), tensors[0].device)
+                    for t in tensors:
+                        if not pooled.holds(t):  # pooled bridges are counted in the pool
+                            _note_storage(bridges, t)
+            return GraphMemory(pool_bytes, sum(statics.values()), sum(bridges.values()))
 
     @contextlib.contextmanager
     def warmup(self) -> Iterator[BreakableGraphRunner]:
@@ -373,16 +493,13 @@ class BreakableGraphRunner:
 
     @property
     def stream(self) -> Any:
-        """The stream warm-ups run on: one per runner, made on first use and reused.
+        """The stream warm-ups and captures run on: the capture lane of :attr:`pool`.
 
-        Each stream that runs cuBLAS work keeps a workspace, hence one stream, not one per
-        capture. Captures then run on the pool's capture lane, ordered after it (see
-        :class:`BreakableCUDAGraphCapture`).
+        A stream only captures into that pool use, whose cuBLAS workspace lives in memory of its
+        own (see :class:`BreakableCUDAGraphCapture`); made with the pool on first use.
         """
         with self._lock:
-            if self._side is None:
-                self._side = self._graph_backend.new_stream(self.device)
-            return self._side
+            return self._graph_backend.capture_stream(self.pool, self.device)
 
     def check_divergence(self, *args: Any, **kwargs: Any) -> DivergenceReport:
         """Compare eager and replay for this call on the graph captured for its signature.
@@ -432,19 +549,7 @@ class BreakableGraphRunner:
     def stats(self) -> RunnerStats:
         """A snapshot of the counters and of every captured entry (see :class:`RunnerStats`)."""
         with self._lock:
-            entries = tuple(
-                EntryStats(
-                    sig,
-                    e.graph.num_segments,
-                    e.graph.num_breaks,
-                    e.pool_bytes,
-                    e.replays,
-                    e.capture_runs,
-                    e.graph.pool(),
-                    e.capture_ms,
-                )
-                for sig, e in self._entries.items()
-            )
+            entries = tuple(self._entry_stats(sig, e) for sig, e in self._entries.items())
             c = self._counts
             return RunnerStats(
                 c["hits"], c["misses"], c["captures"], c["failed"], c["evictions"], entries
@@ -457,6 +562,20 @@ class BreakableGraphRunner:
             return dict(self._blocked)
 
     # -- internals ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _entry_stats(sig: Signature, e: Entry) -> EntryStats:
+        return EntryStats(
+            sig,
+            e.graph.num_segments,
+            e.graph.num_breaks,
+            e.pool_bytes,
+            e.replays,
+            e.capture_runs,
+            e.graph.pool(),
+            e.capture_ms,
+            e.warmup_ms,
+        )
 
     def _can_graph(self) -> bool:
         if self.disabled_reason is not None:
@@ -502,35 +621,28 @@ class BreakableGraphRunner:
             static_args, static_kwargs, scalars = self._scalars.place(
                 static_args, static_kwargs, values, device
             )
-        graph = BreakableCUDAGraph(pool=self.pool, backend=backend.name)
+        pool = self.pool
+        graph = BreakableCUDAGraph(pool=pool, backend=backend.name)
         # Static buffers and scalar slots are device memory the graph re-reads at every replay.
-        backend.note_graph_memory(graph.pool(), [*statics, *scalars])
-        current, side = backend.current_stream(device), self.stream
-        # The side stream reads the static buffers written on the current stream, and may
-        # reuse pool memory that the last replay (on any stream) still uses.
-        side.wait_stream(current)
-        self._turn.wait(side)
+        backend.note_graph_memory(pool, [*statics, *scalars])
+        current = backend.current_stream(device)
+        started = time.perf_counter()
         try:
-            with backend.stream_context(side), enable_breakable_cuda_graph():
+            # Warm-ups where the capture will run, their allocations in the pool: the capture
+            # reuses the blocks they freed (DESIGN.md, "Warm-ups in the pool").
+            with graph.warmup() as lane, enable_breakable_cuda_graph():
+                # They may reuse pool memory that the last replay (on any stream) still uses.
+                self._turn.wait(lane)
                 for _ in range(self.warmup_iters):
                     self.module(*static_args, **static_kwargs)
-            backend.synchronize((side,))  # start-up only: the capture's own time is reported
-            started = time.perf_counter()
-            # The capture runs on the pool's capture lane, after the warm-ups (see
-            # BreakableCUDAGraphCapture: the workspace cuBLAS caches per stream must not be
-            # one the warm-ups made outside the pool).
-            with (
-                backend.stream_context(side),
-                enable_breakable_cuda_graph(),
-                BreakableCUDAGraphCapture(graph),
-            ):
+            backend.synchronize((lane,))  # start-up only: the capture's own time is reported
+            captured = time.perf_counter()
+            with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
                 output = self.module(*static_args, **static_kwargs)
-            backend.synchronize((side,))
-            capture_ms = (time.perf_counter() - started) * 1e3
+            backend.synchronize((lane,))
+            done = time.perf_counter()
         except Exception as exc:
-            current.wait_stream(side)  # before the static buffers are freed
             return self._capture_failed(sig, graph, exc, call)
-        current.wait_stream(side)
         if self.max_segments is not None and graph.num_segments > self.max_segments:
             self.disabled_reason = (
                 f"a capture produced {graph.num_segments} graph segments, more than "
@@ -548,8 +660,9 @@ class BreakableGraphRunner:
             static_call=(static_args, static_kwargs),
             keep_alive=identity_objects(*call),
             capture_runs=self.warmup_iters + 1,
-            capture_ms=capture_ms,
+            capture_ms=(done - captured) * 1e3,
             pool_bytes=graph.pool_bytes(),
+            warmup_ms=(captured - started) * 1e3,
         )
         self._counts["captures"] += 1
         self._entries[sig] = entry
@@ -560,7 +673,8 @@ class BreakableGraphRunner:
             self._counts["evictions"] += 1
         # The capture executed the step (segments are launched as they are captured), so its
         # output holds this call's result: no replay is needed.
-        result = output if self.return_views else entry.clone()
+        # (A clone capture_many discards would stay cached outside the pool.)
+        result = output if self.return_views or self._discard_outputs else entry.clone()
         self._turn.record(current)
         return result
 
@@ -638,6 +752,17 @@ def _check_call(index: int, call: Any) -> Call:
             f"item {index} is {type(call).__name__}"
         )
     return call
+
+
+def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The first tensor shapes of a call, for the progress bar."""
+    shapes = [tuple(t.shape) for t in _trees.tensor_leaves((args, kwargs))[:2]]
+    return " ".join(str(list(s)) for s in shapes)
+
+
+def _note_storage(seen: dict[int, int], t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    seen.setdefault(storage.data_ptr(), storage.nbytes())
 
 
 def _call_bytes(call: Call) -> int:

@@ -102,6 +102,7 @@ class Measurement:
             full-graph contender ran).
         ratio_to_eager: its time over eager's, per repeat (default None: no eager contender
             ran).
+        details: figures of a workload's own beyond the table's columns (JSON only).
     """
 
     workload: str
@@ -115,6 +116,7 @@ class Measurement:
     correct: bool | None = None
     ratio_to_full_graph: Stats | None = None
     ratio_to_eager: Stats | None = None
+    details: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """The measurement as plain dicts and values, for a JSON result file.

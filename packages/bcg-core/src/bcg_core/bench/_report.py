@@ -149,7 +149,9 @@ def write_json(path: Path, measurements: Sequence[Measurement]) -> None:
 
 
 def write_plot(path: Path, measurements: Sequence[Measurement]) -> bool:
-    """A bar chart of speed-up over eager per case and contender; False without matplotlib."""
+    """A bar chart of speed-up over eager per case and contender (without eager figures, as in
+    start-up workloads: the ratio to plain graphs, lower is better); False without
+    matplotlib."""
     try:
         import matplotlib  # type: ignore[import-not-found,unused-ignore]
 
@@ -158,6 +160,9 @@ def write_plot(path: Path, measurements: Sequence[Measurement]) -> bool:
     except ImportError:
         return False
     timed = [m for m in measurements if m.ratio_to_eager is not None]
+    speedup = bool(timed)
+    if not speedup:
+        timed = [m for m in measurements if m.ratio_to_full_graph is not None]
     cases = list(dict.fromkeys(f"{m.workload}\n{m.case}" for m in timed))
     contenders = list(dict.fromkeys(m.contender for m in timed))
     width = 0.8 / max(len(contenders), 1)
@@ -167,16 +172,18 @@ def write_plot(path: Path, measurements: Sequence[Measurement]) -> bool:
         for j, case in enumerate(cases):
             for m in timed:
                 if m.contender == name and f"{m.workload}\n{m.case}" == case:
-                    assert m.ratio_to_eager is not None
+                    ratio = m.ratio_to_eager if speedup else m.ratio_to_full_graph
+                    assert ratio is not None
                     xs.append(j + i * width)
-                    ys.append(1.0 / m.ratio_to_eager.median)
+                    ys.append(1.0 / ratio.median if speedup else ratio.median)
         ax.bar(xs, ys, width=width, label=name)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], cases, fontsize=8)
-    ax.set_ylabel("speed-up over eager (x)")
+    ax.set_ylabel("speed-up over eager (x)" if speedup else "x plain CUDA graphs (lower is better)")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     env = environment()
     ax.set_title(f"bcg bench — {env['gpu'] or 'CPU'}, torch {env['torch']}", fontsize=10)
-    ax.legend(fontsize=8)
+    if contenders:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -164,11 +164,13 @@ def _weight(
     device: torch.device | str | None,
     dtype: torch.dtype,
 ) -> nn.Parameter:
-    """A parameter drawn from N(0, std²) on the CPU generator, then cast and moved.
+    """A parameter drawn from N(0, std²) on ``generator``'s device, then cast and moved.
 
-    Drawing on the CPU makes the weights depend on the seed only, never on the device.
+    Drawing on the CPU (the default) makes the weights depend on the seed only, never on the
+    device.
     """
-    values = torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu").mul_(std)
+    values = torch.randn(shape, generator=generator, dtype=torch.float32, device=generator.device)
+    values.mul_(std)
     return nn.Parameter(values.to(device=device, dtype=dtype), requires_grad=False)
 
 
@@ -362,9 +364,11 @@ class ToyDecoder(nn.Module):
 
     ``ToyDecoder(config, seed=0, device=None)`` draws every weight from a CPU generator seeded
     with ``seed`` (so the weights depend on ``config`` and ``seed`` only, not on ``device``) and
-    places them on ``device``. Projections use std 0.02, the residual-branch output projections
-    0.02 / sqrt(2 * layers) and norms start at one, which keeps bf16 activations finite over 32
-    layers. All parameters have ``requires_grad=False``: the model is for inference.
+    places them on ``device``; ``draw_on_device=True`` draws on ``device`` instead (much faster
+    for billions of weights; the values then depend on the device's generator). Projections
+    use std 0.02, the residual-branch output projections 0.02 / sqrt(2 * layers) and norms
+    start at one, which keeps bf16 activations finite over 32 layers. All parameters have
+    ``requires_grad=False``: the model is for inference.
 
     Call :meth:`allocate_cache` before the first step. A step writes each layer's new key/value
     at ``positions`` and reads slots ``0..positions[b]``, so slots before a sequence's position
@@ -374,17 +378,26 @@ class ToyDecoder(nn.Module):
         config: the decoder's shape and numerics.
         seed: the seed of the CPU generator the weights are drawn from (default 0).
         device: where the parameters go (default None: the CPU).
+        draw_on_device: draw the weights with ``device``'s generator instead of the CPU's
+            (default False).
     """
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
     def __init__(
-        self, config: DecoderConfig, seed: int = 0, device: torch.device | str | None = None
+        self,
+        config: DecoderConfig,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        *,
+        draw_on_device: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
-        generator = torch.Generator().manual_seed(seed)
+        # Billions of CPU draws take minutes; an 8B-size bench model draws on its device.
+        where = device if draw_on_device and device is not None else "cpu"
+        generator = torch.Generator(where).manual_seed(seed)
         dtype = config.dtype
         self.embed_weight = _weight(
             (config.vocab, config.hidden), _INIT_STD, generator, device, dtype

@@ -1,0 +1,314 @@
+"""What a runner call costs over replaying the same breakable graph by hand, at real scale.
+
+``python3 benchmarks/bench_call_cost.py --out DIR`` (both packages' ``src`` on ``PYTHONPATH``)
+(``--workloads hf-llama,decoder-8b,flux``; ``--smoke`` for tiny models, also on CPU)
+
+Workloads (bf16 on CUDA, random weights): ``hf-llama`` (the ``hf-llama`` bench model, batch 1,
+a decode step over a StaticCache rewound each step, no call arguments), ``decoder-8b`` (the toy
+decoder at Llama-3-8B dimensions, ``capture-scale``'s model, batch 1; tokens and positions
+passed each call, so the runner copies them) and ``flux`` (the ``flux`` bench model through
+``DiTRunner``, no call arguments; skipped without diffusers). Variants, on one graph each:
+
+- ``hand``: ``graph.replay()`` (plus ``copy_`` of the call's inputs into the static buffers);
+- ``hand+protocol``: the same inside what the runner adds on the device and around the replay:
+  an event wait before, the runtime flag on, an event record after (clone where it clones);
+- ``runner_views``: the runner with ``return_views=True``;
+- ``runner``: the runner, output cloned (``return_views=False``).
+
+Two modes: ``sync`` (the device synchronised after every call: call-to-result latency, as a
+``generate()`` loop that samples on the host sees it) and ``pipelined`` (one synchronisation
+per ``--steps`` calls: the host cost per call). Figures are medians over ``--repeats`` of the
+per-call time; ``overhead`` is ``runner - hand`` per repeat (target: <= 25 us either way). The
+gap between ``hand+protocol`` and ``runner`` is the runner's host bookkeeping (lock, signature
+walk, dictionary lookups); the gap between ``hand`` and ``hand+protocol`` is the event order
+and the flag. Writes ``DIR/bench_call_cost-<device>.json`` and prints one line per workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    BreakableGraphRunner,
+    enable_breakable_cuda_graph,
+)
+from bcg_core.bench import (
+    ToyDecoder,
+    _hf_llama,  # noqa: PLC2701
+    environment,
+    tiny_config,
+)
+from bcg_core.bench._scale_workload import scale_config  # noqa: PLC2701
+
+TARGET_US = 25.0
+WORKLOADS = ("hf-llama", "decoder-8b", "flux")
+
+
+@dataclasses.dataclass
+class Case:
+    """One workload: the step, its call arguments, and a runner made for it."""
+
+    step: Callable[..., torch.Tensor]
+    args: tuple[torch.Tensor, ...]
+    make_runner: Callable[[bool], BreakableGraphRunner]
+    close: Callable[[], None] = lambda: None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _hf_case(device: torch.device, smoke: bool) -> Case | str:
+    try:
+        import transformers
+    except ImportError:
+        return "transformers is not installed"
+    model, context, _ = _hf_llama._llama(transformers, device, smoke)
+    step = _hf_llama._decode_step(transformers, model, 1, context)
+    return Case(
+        step, (), lambda views: BreakableGraphRunner(step, device=device, return_views=views)
+    )
+
+
+def _decoder_case(device: torch.device, smoke: bool) -> Case:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = tiny_config(dtype) if smoke else scale_config(dtype)
+    model = ToyDecoder(cfg, seed=0, device=device, draw_on_device=True)
+    model.allocate_cache(1)
+    tokens = torch.zeros(1, dtype=torch.long, device=device)
+    positions = torch.full((1,), cfg.max_context - 1, device=device)
+
+    def step(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = model(t, p)
+        return out
+
+    return Case(
+        step,
+        (tokens, positions),
+        lambda views: BreakableGraphRunner(step, device=device, return_views=views),
+    )
+
+
+def _flux_case(device: torch.device, smoke: bool) -> Case | str:
+    try:
+        import diffusers
+    except ImportError:
+        return "diffusers is not installed"
+    from bcg_diffusion import DiTRunner, make_attention_ops_breakable
+
+    cuda = device.type == "cuda"
+    if smoke:
+        heads, head_dim, rope, layers, single = 2, 16, (4, 6, 6), 1, 1
+        channels, joint, pooled_dim, grid, text_len = 4, 32, 32, 4, 8
+    else:  # the flux bench workload's model
+        heads, head_dim, rope, layers, single = 4, 128, (16, 56, 56), 4, 8
+        channels, joint, pooled_dim, grid, text_len = 64, 4096, 768, 32, 64
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    flux: Any = diffusers.FluxTransformer2DModel
+    model = flux(
+        patch_size=1, in_channels=channels, num_layers=layers, num_single_layers=single,
+        attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=joint,
+        pooled_projection_dim=pooled_dim, axes_dims_rope=rope, guidance_embeds=False,
+    ).to(device, dtype).eval()  # fmt: skip
+    latents = torch.randn(1, grid * grid, channels).to(device, dtype)
+    rows, cols = torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="ij")
+    kw = {
+        "encoder_hidden_states": torch.randn(1, text_len, joint).to(device, dtype),
+        "pooled_projections": torch.randn(1, pooled_dim).to(device, dtype),
+        "img_ids": torch.stack([torch.zeros_like(rows), rows, cols], -1)
+        .reshape(-1, 3)
+        .float()
+        .to(device),
+        "txt_ids": torch.zeros(text_len, 3, device=device),
+    }
+    t = torch.full((1,), 0.5, device=device)
+
+    def step() -> torch.Tensor:
+        v: torch.Tensor = model(hidden_states=latents, timestep=t, return_dict=False, **kw)[0]
+        return latents - v / 20
+
+    patches = make_attention_ops_breakable(model)
+    runners: list[Any] = []
+
+    def make(views: bool) -> BreakableGraphRunner:
+        runner = DiTRunner(step, breakable_attention=patches, device=device, return_views=views)
+        runners.append(runner)
+        return runner
+
+    def close() -> None:
+        for r in runners:
+            r.close()
+
+    return Case(step, (), make, close)
+
+
+def _variants(case: Case, device: torch.device) -> dict[str, Callable[[], object]]:
+    """The four ways of running the case's graph (see the module text)."""
+    statics = tuple(a.clone() for a in case.args)
+    graph = BreakableCUDAGraph(backend=device.type)
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    with torch.no_grad(), enable_breakable_cuda_graph():
+        for _ in range(2):
+            case.step(*statics)
+        _sync(device)
+        with BreakableCUDAGraphCapture(graph):
+            out = case.step(*statics)
+    event = torch.cuda.Event() if stream is not None else None  # type: ignore[no-untyped-call]
+
+    def load() -> None:
+        for s, a in zip(statics, case.args, strict=True):
+            s.copy_(a)
+
+    def hand() -> torch.Tensor:
+        load()
+        graph.replay()
+        return out
+
+    def hand_protocol(clone: bool) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            if event is not None:
+                event.wait(stream)
+            with enable_breakable_cuda_graph():
+                load()
+                graph.replay()
+                result = out.clone() if clone else out
+            if event is not None:
+                event.record(stream)
+            return result
+
+        return run
+
+    views, cloning = case.make_runner(True), case.make_runner(False)
+    with torch.no_grad():
+        views.capture(*case.args)
+        cloning.capture(*case.args)
+    variants: dict[str, Callable[[], object]] = {
+        "hand": hand,
+        "hand+protocol": hand_protocol(False),
+        "runner_views": lambda: views(*case.args),
+        "hand+protocol+clone": hand_protocol(True),
+        "runner": lambda: cloning(*case.args),
+    }
+    variants["_keep"] = lambda: (graph, statics, out, views, cloning)  # not timed
+    return variants
+
+
+def _time(fn: Callable[[], object], steps: int, device: torch.device, sync_each: bool) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+        if sync_each:
+            _sync(device)
+    _sync(device)
+    return (time.perf_counter() - start) * 1e6 / steps
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def bench_case(case: Case, device: torch.device, repeats: int, steps: int) -> dict[str, Any]:
+    variants = _variants(case, device)
+    timed = {k: v for k, v in variants.items() if not k.startswith("_")}
+    result: dict[str, Any] = {}
+    with torch.no_grad():
+        expected = timed["hand"]()
+        assert isinstance(expected, torch.Tensor)
+        expected = expected.clone()
+        same = all(torch.equal(fn(), expected) for fn in timed.values())  # type: ignore[arg-type]
+        for mode, sync_each in (("sync", True), ("pipelined", False)):
+            times: dict[str, list[float]] = {k: [] for k in timed}
+            for fn in timed.values():
+                for _ in range(3):
+                    fn()
+            gc.collect()
+            gc.disable()
+            try:
+                for _ in range(repeats):
+                    for name, fn in timed.items():
+                        times[name].append(_time(fn, steps, device, sync_each))
+            finally:
+                gc.enable()
+            hand = times["hand"]
+            result[mode] = {
+                "us_per_call": {k: _summary(v) for k, v in times.items()},
+                "overhead_us": {
+                    k: _summary([a - b for a, b in zip(v, hand, strict=True)])
+                    for k, v in times.items()
+                    if k != "hand"
+                },
+            }
+    result["same_output"] = same
+    result["meets_target"] = all(
+        result[m]["overhead_us"][r]["median"] <= TARGET_US
+        for m in ("sync", "pipelined")
+        for r in ("runner", "runner_views")
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON file")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--smoke", action="store_true", help="tiny models (any device)")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    makers: dict[str, Callable[[torch.device, bool], Case | str]] = {
+        "hf-llama": _hf_case,
+        "decoder-8b": _decoder_case,
+        "flux": _flux_case,
+    }
+    report: dict[str, Any] = {"environment": environment(), "target_us": TARGET_US}
+    ok = True
+    for name in args.workloads.split(","):
+        case = makers[name](device, args.smoke)
+        if isinstance(case, str):
+            report[name] = {"skipped": case}
+            print(f"bench_call_cost {name}: skipped ({case})")
+            continue
+        try:
+            result = bench_case(case, device, args.repeats, args.steps)
+        finally:
+            case.close()
+        report[name] = result
+        ok = ok and result["same_output"]
+        line = ", ".join(
+            f"{mode}: hand {result[mode]['us_per_call']['hand']['median']:.1f} us, runner "
+            f"+{result[mode]['overhead_us']['runner']['median']:.1f}, views "
+            f"+{result[mode]['overhead_us']['runner_views']['median']:.1f}, protocol "
+            f"+{result[mode]['overhead_us']['hand+protocol']['median']:.1f}"
+            for mode in ("sync", "pipelined")
+        )
+        print(f"bench_call_cost {name} ({device.type}): {line}; same: {result['same_output']}")
+        del case
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"bench_call_cost-{device.type}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
