@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 BCG_FAILURE_HINT = (
-    "bcg: a breakable CUDA graph capture or replay failed. To rule bcg out, run the same code "
-    "with BCG_DISABLE=1 (runners then run every call eagerly, enable_breakable_cuda_graph() "
-    "leaves the flag off so model code takes its eager path, and captures refuse to start) or "
-    "with enable_breakable_cuda_graph(False). To find the failing break, "
-    "set BCG_DEBUG=1: every segment and break is logged (logger 'bcg_core') as it is captured, "
-    "and the exception carries a note naming the segment and the last break before it. Host syncs "
-    "(.item(), .tolist(), printing a tensor, data-dependent shapes) inside a graph segment must be "
-    "moved into a function decorated with @eager_on_graph."
+    "bcg: a breakable CUDA graph capture or replay failed. Rerun with BCG_DISABLE=1 to rule "
+    "bcg out (every call then runs eagerly); set BCG_DEBUG=1 to log each segment and break "
+    "(logger 'bcg_core'; the exception's note names the segment and the last break); move host "
+    "syncs (.item(), .tolist(), printing a tensor, data-dependent shapes) out of graph segments "
+    "into an @eager_on_graph function."
 )
 
 

@@ -336,14 +336,12 @@ class HostScalar:
         if _storage_ptr(self.live) in self.graph_memory:
             return
         raise ReplayError(
+            "keep a value that changes between replays in a device tensor of shape (1,) copied "
+            "in before replay, pass it through a break, or capture again after changing it: "
             f"{self.op} in a CPU graph segment read a 0-dim tensor from outside the graph whose "
-            f"value changed since capture ({self.value.item()} -> {self.live.item()}). On a GPU "
-            "this is wrong either way for one of the two kinds of tensor: a CUDA graph bakes a "
-            "0-dim CPU tensor operand (a scheduler's sigma kept on the host) into the kernel at "
-            "capture, so replay keeps using the old value, but re-reads a 0-dim CUDA tensor; the "
-            "CPU backend cannot tell which this is. Keep a value that changes between replays in "
-            "a device tensor of shape (1,) copied in before replay, pass it through a break, or "
-            "capture again after changing it."
+            f"value changed since capture ({self.value.item()} -> {self.live.item()}). A CUDA "
+            "graph bakes a 0-dim CPU operand into the kernel (replay keeps the old value) but "
+            "re-reads a 0-dim CUDA tensor; the CPU backend cannot tell which this is."
         )
 
 
