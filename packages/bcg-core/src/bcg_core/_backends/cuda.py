@@ -44,9 +44,7 @@ class CudaSegment:
 
     def capture_end(self) -> None:
         assert self._stream is not None, "capture_end() without capture_begin()"
-        info = RUNTIME.capture_info(self._stream)
-        nodes = RUNTIME.graph_node_count(info.graph)
-        self._empty = nodes == 0
+        self._empty = RUNTIME.capture_node_count(self._stream) == 0
         with warnings.catch_warnings():
             # torch warns about empty graphs; an empty segment is expected between adjacent breaks.
             if self._empty:

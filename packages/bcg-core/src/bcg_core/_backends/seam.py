@@ -25,11 +25,12 @@ class CaptureStatus(enum.IntEnum):
 
 @dataclass(frozen=True)
 class CaptureInfo:
-    """What the runtime says about one stream. ``graph`` is the runtime's handle, or None."""
+    """What the runtime says about one stream. No handle the runtime owns is kept: the
+    graph being captured is asked about only inside the query that found it ACTIVE
+    (``cudart.py``)."""
 
     status: CaptureStatus
     capture_id: int | None = None
-    graph: Any = None
 
 
 class StreamEvents(Protocol):
