@@ -30,6 +30,7 @@ from bcg_core._errors import (
     BreakableGraphError,
     BreakOutputError,
     CaptureError,
+    ConcurrentCaptureError,
     ReplayError,
     UnjoinedStreamError,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "BreakableGraphError",
     "BreakableGraphRunner",
     "CaptureError",
+    "ConcurrentCaptureError",
     "DivergenceReport",
     "EntryStats",
     "ReplayError",

@@ -26,6 +26,14 @@ class UnjoinedStreamError(CaptureError):
     """A side stream forked from the capturing stream was not joined back before a segment ended."""
 
 
+class ConcurrentCaptureError(CaptureError):
+    """A capture failed with a CUDA capture error while another thread had a capture open: in
+    CUDA's "global" capture mode one thread's capture makes other threads' unsafe calls (an
+    allocation, a synchronisation) fail and can invalidate captures. The captured code is
+    probably not at fault; capture with ``capture_error_mode="thread_local"`` or one thread at
+    a time. The original CUDA error is the ``__cause__``."""
+
+
 class BreakOutputError(BreakableGraphError):
     """A break point returned something it may not: a CUDA tensor under ``strict=True``, or, at
     replay, tensors whose number, shapes or dtypes differ from those it returned at capture."""

@@ -15,7 +15,7 @@ import torch
 
 from bcg_core import _trees
 from bcg_core._backends import backend_for
-from bcg_core._capture.capture import BreakableCUDAGraphCapture
+from bcg_core._capture.capture import CAPTURE_ERROR_MODES, BreakableCUDAGraphCapture
 from bcg_core._capture.flag import (
     breakable_graphs_disabled,
     disabled_reason,
@@ -25,6 +25,7 @@ from bcg_core._capture.flag import (
 )
 from bcg_core._capture.graph import BreakableCUDAGraph
 from bcg_core._diagnostics.divergence import runner_divergence
+from bcg_core._errors import ConcurrentCaptureError
 from bcg_core._diagnostics.divergence_report import DivergenceReport
 from bcg_core._runner.entry import Entry
 from bcg_core._runner.pool import PoolTurn, share_turn
@@ -34,6 +35,7 @@ from bcg_core._signature import (
     describe_difference,
     identity_objects,
     signature_and_tensors,
+    static_buffer,
     static_call,
 )
 
@@ -112,6 +114,20 @@ class BreakableGraphRunner:
     distinct misses are logged with the fields that differ from the nearest captured
     signature, later ones are only counted in :attr:`stats`.
 
+    **Threads.** Captures use ``capture_error_mode="thread_local"`` by default (any of
+    "global", "thread_local", "relaxed"): CUDA then refuses unsafe calls only on the capturing
+    thread, so runners with their own pools can capture in several threads at once (in
+    "global" mode one thread's capture makes another's allocation fail). A capture that fails
+    while another thread was capturing is reported as spoiled by it (warning) and its
+    signature is not blocked: a later capture retries it.
+
+    **Arguments written in place.** A tensor argument in containers is copied into a static
+    buffer at every call; when the captured step writes that buffer in place (its version
+    counter moved during capture: a KV cache update, a position advanced with ``add_``), the
+    buffer is copied back into the caller's tensor after every replay (and after the capture),
+    so the caller sees what eager would have left there. Tensors inside objects are used in
+    place (keyed by address), never copied.
+
     **Failure modes.** Breakable graphs disabled (``BCG_DISABLE=1`` or inside
     :func:`disable_breakable_graphs`): every call runs eagerly, announced once per runner. A
     capture that raises blocks its signature (eager from then on) with a warning naming it; a
@@ -136,6 +152,7 @@ class BreakableGraphRunner:
         replay_context: Callable[[], AbstractContextManager[Any]] | None = None,
         pool: Any = None,
         as_tensor: Iterable[int | str] = (),
+        capture_error_mode: str = "thread_local",
     ) -> None:
         if not callable(module):
             raise TypeError(f"BreakableGraphRunner wraps a callable, got {module!r}")
@@ -145,6 +162,11 @@ class BreakableGraphRunner:
             raise ValueError(f"max_segments must be >= 1 or None, got {max_segments}")
         if warmup_iters < 0:
             raise ValueError(f"warmup_iters must be >= 0, got {warmup_iters}")
+        if capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise ValueError(
+                f"capture_error_mode must be one of {CAPTURE_ERROR_MODES}, "
+                f"got {capture_error_mode!r}"
+            )
         if isinstance(pool, (BreakableCUDAGraph, BreakableGraphRunner)):
             raise TypeError(
                 f"pool= takes a memory pool, got a {type(pool).__name__}; pass its pool "
@@ -157,6 +179,7 @@ class BreakableGraphRunner:
         self.warmup_iters = warmup_iters
         self.return_views = return_views
         self.replay_context = replay_context
+        self.capture_error_mode = capture_error_mode
         self.disabled_reason: str | None = None
         # device="cpu" captures CPU graphs; every other device goes to the CUDA backend.
         self._graph_backend = backend_for("cpu" if self.device.type == "cpu" else "cuda")
@@ -200,7 +223,7 @@ class BreakableGraphRunner:
                 self._counts["hits"] += 1
                 return self._replay(entry, live, values)
             if sig not in self._blocked and self._window > 0:
-                return self._capture(sig, (args, kwargs), (call_args, call_kwargs), values)
+                return self._capture(sig, (args, kwargs), (call_args, call_kwargs), live, values)
             self._counts["misses"] += 1
             self._diagnose_miss(sig)
             return self.module(*args, **kwargs)
@@ -372,19 +395,22 @@ class BreakableGraphRunner:
             return False
         return True
 
-    def _capture(self, sig: Signature, call: Call, lifted: Call, values: list[Any]) -> Any:
+    def _capture(
+        self,
+        sig: Signature,
+        call: Call,
+        lifted: Call,
+        live: list[torch.Tensor],
+        values: list[Any],
+    ) -> Any:
         backend, device = self._graph_backend, self.device
         statics: list[torch.Tensor] = []
         fill: list[int] = []
 
         def make_static(t: torch.Tensor) -> torch.Tensor:
-            if t.device == device:
-                buf = t.clone()
-            else:
-                buf = torch.empty_like(t, device=device)
-                buf.copy_(t)
-                if t.dim() == 0 and t.device.type == "cpu" and buf.device.type != "cpu":
-                    fill.append(len(statics))
+            buf = static_buffer(t, device)
+            if t.dim() == 0 and t.device.type == "cpu" and buf.device.type != "cpu":
+                fill.append(len(statics))
             statics.append(buf)
             return buf
 
@@ -407,6 +433,7 @@ class BreakableGraphRunner:
                 for _ in range(self.warmup_iters):
                     self.module(*static_args, **static_kwargs)
             backend.synchronize((side,))  # start-up only: the capture's own time is reported
+            versions = [t._version for t in statics]
             started = time.perf_counter()
             # The capture runs on the pool's capture lane, after the warm-ups (see
             # BreakableCUDAGraphCapture: the workspace cuBLAS caches per stream must not be
@@ -414,14 +441,17 @@ class BreakableGraphRunner:
             with (
                 backend.stream_context(side),
                 enable_breakable_cuda_graph(),
-                BreakableCUDAGraphCapture(graph),
+                BreakableCUDAGraphCapture(graph, capture_error_mode=self.capture_error_mode),
             ):
                 output = self.module(*static_args, **static_kwargs)
             backend.synchronize((side,))
             capture_ms = (time.perf_counter() - started) * 1e3
-        except Exception as exc:
+        except BaseException as exc:
             current.wait_stream(side)  # before the static buffers are freed
-            return self._capture_failed(sig, graph, exc, call)
+            self._discard(graph)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt, SystemExit: the pool rule kept, the signature not blamed
+            return self._capture_failed(sig, exc, call)
         current.wait_stream(side)
         if self.max_segments is not None and graph.num_segments > self.max_segments:
             self.disabled_reason = (
@@ -442,6 +472,9 @@ class BreakableGraphRunner:
             capture_runs=self.warmup_iters + 1,
             capture_ms=capture_ms,
             pool_bytes=graph.pool_bytes(),
+            # Arguments the captured step wrote in place (a KV cache, a position advanced):
+            # copied back after every replay, as eager would have left them.
+            written=tuple(i for i, t in enumerate(statics) if t._version != versions[i]),
         )
         self._counts["captures"] += 1
         self._entries[sig] = entry
@@ -452,20 +485,31 @@ class BreakableGraphRunner:
             self._counts["evictions"] += 1
         # The capture executed the step (segments are launched as they are captured), so its
         # output holds this call's result: no replay is needed.
+        entry.store(live)
         result = output if self.return_views else entry.clone()
         self._turn.record(current)
         return result
 
-    def _capture_failed(
-        self, sig: Signature, graph: BreakableCUDAGraph, exc: Exception, call: Call
-    ) -> Any:
-        self._counts["failed"] += 1
-        self._blocked[sig] = f"{type(exc).__name__}: {exc}"
+    def _discard(self, graph: BreakableCUDAGraph) -> None:
+        """Drop a graph whose capture did not finish, however it ended."""
         graph.reset()
         if self._owns_pool:
             # A capture that failed half-way can leave torch routing host allocations to the
             # pool; later captures start in a fresh one (the graphs already made keep theirs).
             self._pool = None
+
+    def _capture_failed(self, sig: Signature, exc: Exception, call: Call) -> Any:
+        self._counts["failed"] += 1
+        if isinstance(exc, ConcurrentCaptureError):
+            # Not this signature's fault: a later capture (in a warmup window) retries it.
+            logger.warning(
+                "bcg: capture for signature %s was spoiled by another thread's capture (%s); "
+                "this call runs eagerly and the signature is not blocked",
+                sig,
+                exc,
+            )
+            return self.module(*call[0], **call[1])
+        self._blocked[sig] = f"{type(exc).__name__}: {exc}"
         logger.warning(
             "bcg: capture failed for signature %s (%s: %s); this signature runs eagerly from "
             "now on",
@@ -488,6 +532,7 @@ class BreakableGraphRunner:
             else:
                 with self.replay_context():
                     entry.graph.replay()
+            entry.store(live)
             out = entry.output if self.return_views else entry.clone()
         finally:
             flag_reset(token)
