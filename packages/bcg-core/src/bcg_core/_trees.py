@@ -17,9 +17,10 @@ What is a node (its children are walked), in this order:
    function, method, ``nn.Module``, enum or :class:`Opaque`): its instance attributes — the
    ``__dict__`` in insertion order, then the slots that hold a value, in declaration order
    (base classes first). The *one rule* for objects: a slotted object is walked like one with
-   a ``__dict__``, so a rebound attribute or a changed number inside it is seen. Rebuilt as a shallow copy with the new attribute values; an object whose children
-   all come back unchanged is returned as itself (so user objects keep their identity unless a
-   tensor inside them was replaced). An object met again lower in its own tree (a cycle) is a leaf.
+   a ``__dict__``, so a rebound attribute or a changed number inside it is seen. Rebuilt as
+   a shallow copy with the new attribute values; an object whose children all come back
+   unchanged is returned as itself (so user objects keep their identity unless a tensor
+   inside them was replaced). An object met again lower in its own tree (a cycle) is a leaf.
 
 Everything else is a leaf. The :class:`TreeSpec` of a structure records each node's type and
 its *context*: dict keys, field or attribute names, named-tuple fields, a list's length. Two
@@ -42,6 +43,7 @@ import torch
 
 # torch's own pytree registry: what torch.compile, export and libraries register nodes with.
 import torch.utils._pytree as pytree  # noqa: PLC2701
+
 
 class Opaque:
     """Base of our own slotted value types that must stay leaves (signature markers)."""
@@ -100,9 +102,14 @@ def _kind(obj: Any) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=512)
+_SLOT_NAMES: dict[type, tuple[str, ...]] = {}  # a cache; a racing duplicate entry is harmless
+
+
 def _slot_names(cls: type) -> tuple[str, ...]:
     """The attribute names of ``cls``'s slots, base classes first (private names mangled)."""
+    found = _SLOT_NAMES.get(cls)
+    if found is not None:
+        return found
     names: list[str] = []
     for klass in reversed(cls.__mro__):
         slots = klass.__dict__.get("__slots__", ())
@@ -113,7 +120,7 @@ def _slot_names(cls: type) -> tuple[str, ...]:
                 name = f"_{klass.__name__.lstrip('_')}{name}"
             if name not in names:
                 names.append(name)
-    return tuple(names)
+    return _SLOT_NAMES.setdefault(cls, tuple(names))
 
 
 def _attributes(obj: Any) -> dict[str, Any]:

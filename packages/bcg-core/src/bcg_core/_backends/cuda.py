@@ -197,7 +197,9 @@ def _end_pool_routing(pool: Any) -> None:
 def _install_stream_hooks(observer: StreamObserver) -> Callable[[], None]:
     # Event.record/Event.wait are what Stream.record_event, Stream.wait_event and
     # Stream.wait_stream go through; set_stream is what torch.cuda.stream goes through. Each
-    # wrapper calls the original first, then reports to the capture found in the caller's context.
+    # wrapper calls the original first, then reports to the capture found in the caller's
+    # context; a wait the capture drops (on uncaptured work, see StreamTracker.drops_wait) is
+    # not made at all.
     record = torch.cuda.Event.record
     wait = torch.cuda.Event.wait
     set_stream = torch.cuda.set_stream
@@ -209,10 +211,13 @@ def _install_stream_hooks(observer: StreamObserver) -> Callable[[], None]:
             events.on_record(self, stream if stream is not None else torch.cuda.current_stream())
 
     def event_wait(self: Any, stream: Any = None) -> None:
-        wait(self, stream)
         events = observer()
+        target = stream if stream is not None else torch.cuda.current_stream()
+        if events is not None and events.drops_wait(target, self):
+            return
+        wait(self, stream)
         if events is not None:
-            events.on_wait(stream if stream is not None else torch.cuda.current_stream(), self)
+            events.on_wait(target, self)
 
     def set_stream_hook(stream: Any) -> None:
         set_stream(stream)

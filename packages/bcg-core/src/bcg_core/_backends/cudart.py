@@ -56,6 +56,9 @@ def parse_is_capturing(result: tuple[Any, ...]) -> CaptureInfo:
     return CaptureInfo(CaptureStatus(_as_int(result[1])))
 
 
+_CAPTURE_IMPLICIT = 906  # cudaErrorStreamCaptureImplicit
+
+
 class _Driver:
     """``cuStreamGetCaptureInfo`` and ``cuGraphGetNodes`` from the driver library, called
     with NULL for every output array (see the module docstring)."""
@@ -76,7 +79,8 @@ class _Driver:
                 lib = ctypes.CDLL("libcuda.so.1")
             except OSError:
                 return
-            for symbol, arrays in (("cuStreamGetCaptureInfo_v3", 3), ("cuStreamGetCaptureInfo_v2", 2)):
+            symbols = (("cuStreamGetCaptureInfo_v3", 3), ("cuStreamGetCaptureInfo_v2", 2))
+            for symbol, arrays in symbols:
                 info = getattr(lib, symbol, None)
                 if info is not None:
                     # (stream, status*, id*, graph*, then the arrays and the count) -> CUresult
@@ -156,7 +160,14 @@ class _Runtime:
             try:
                 handle = rt.cudaStream_t(stream.cuda_stream)
                 return parse_is_capturing(rt.cudaStreamIsCapturing(handle))
-            except (CudaRuntimeError, RuntimeError, TypeError) as exc:
+            except CudaRuntimeError as exc:
+                if exc.code == _CAPTURE_IMPLICIT:
+                    # The legacy default stream, asked while another stream captures: it never
+                    # captures itself (CUDA refuses the question, not the driver).
+                    return CaptureInfo(CaptureStatus.NONE)
+                with self._lock:
+                    self._fallback(f"cuda-bindings cannot query the driver ({exc})")
+            except (RuntimeError, TypeError) as exc:
                 with self._lock:
                     self._fallback(f"cuda-bindings cannot query the driver ({exc})")
         try:

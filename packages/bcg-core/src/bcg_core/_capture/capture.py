@@ -62,7 +62,7 @@ class CaptureState:
         # A backend that runs ops while recording them has already executed the segment.
         self.launch_after_capture = faithful and not backend.executes_at_capture
         self.debug = debug
-        self.tracker = StreamTracker(stream)
+        self.tracker = StreamTracker(stream, backend)
         self.steps: list[Step] = []
         # Empty segments are not replayed but stay alive until the graph is reset: each holds a
         # reference on the pool, and releasing one mid-capture could free a bare-id pool.
@@ -411,14 +411,18 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
             )
         # A raw CUDA capture error (bcg's own errors and user errors are not) while another
         # thread captures: say so, so that the step is not blamed for it.
-        if others and isinstance(exc, RuntimeError) and not isinstance(exc, CaptureError):
-            if "captur" in str(exc).lower():
-                other = others[0]
-                raise ConcurrentCaptureError(
-                    f"{state.where}: the capture failed with a CUDA capture error ({exc}) while "
-                    f"another thread was capturing too (stream {other.stream!r}, "
-                    f"capture_error_mode={other.mode!r}; this capture's: {state.mode!r}). In "
-                    "'global' mode a capture makes other threads' unsafe calls (allocations, "
-                    "synchronisations) fail: capture with capture_error_mode='thread_local' "
-                    "(runners do by default) or one thread at a time."
-                ) from exc
+        cuda_capture_error = (
+            isinstance(exc, RuntimeError)
+            and not isinstance(exc, CaptureError)
+            and "captur" in str(exc).lower()
+        )
+        if others and cuda_capture_error:
+            other = others[0]
+            raise ConcurrentCaptureError(
+                f"{state.where}: the capture failed with a CUDA capture error ({exc}) while "
+                f"another thread was capturing too (stream {other.stream!r}, "
+                f"capture_error_mode={other.mode!r}; this capture's: {state.mode!r}). In "
+                "'global' mode a capture makes other threads' unsafe calls (allocations, "
+                "synchronisations) fail: capture with capture_error_mode='thread_local' "
+                "(runners do by default) or one thread at a time."
+            ) from exc

@@ -25,8 +25,8 @@ from bcg_core._capture.flag import (
 )
 from bcg_core._capture.graph import BreakableCUDAGraph
 from bcg_core._diagnostics.divergence import runner_divergence
-from bcg_core._errors import ConcurrentCaptureError
 from bcg_core._diagnostics.divergence_report import DivergenceReport
+from bcg_core._errors import ConcurrentCaptureError
 from bcg_core._runner.entry import Entry
 from bcg_core._runner.pool import PoolTurn, share_turn
 from bcg_core._runner.scalars import ScalarSlots
