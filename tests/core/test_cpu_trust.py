@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -21,8 +22,10 @@ from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
     BreakableGraphRunner,
+    ConcurrentCaptureError,
     eager_on_graph,
     enable_breakable_cuda_graph,
+    is_breakable_capture_active,
 )
 
 # -- arguments the graph writes in place ---------------------------------------------------------
@@ -357,3 +360,56 @@ def test_a_failed_capture_leaves_earlier_graphs_right(device: str, kind: str) ->
     out_again = capture(lambda: brk(x) * 5, failing)[1]
     failing.replay()
     assert torch.equal(out_again, x.tanh() * 5)
+
+
+# -- a capture another thread spoiled ------------------------------------------------------------
+
+
+def test_a_capture_failing_while_another_thread_captures_is_reported_as_spoiled() -> None:
+    # What CUDA raises in "global" mode when another thread captures (here raised by hand, on
+    # the CPU backend, while a second thread holds a capture open).
+    inside, release = threading.Event(), threading.Event()
+
+    @eager_on_graph
+    def hold(h: torch.Tensor) -> torch.Tensor:
+        inside.set()
+        release.wait(timeout=30)
+        return h + 1
+
+    def other_thread() -> None:
+        graph = BreakableCUDAGraph(backend="cpu")
+        capture(lambda: hold(torch.ones(2)) * 2, graph)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        if is_breakable_capture_active():
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return x * 2
+
+    runner = BreakableGraphRunner(step, device="cpu", warmup_iters=0)
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    try:
+        assert inside.wait(timeout=30)
+        x = torch.ones(3)
+        assert torch.equal(runner.capture(x), x * 2)  # served eagerly, right
+        assert runner.stats.failed_captures == 1
+        assert runner.blocked_signatures == {}  # not blamed on the signature
+        graph = BreakableCUDAGraph(backend="cpu")
+        with (
+            pytest.raises(ConcurrentCaptureError, match="another thread was capturing") as info,
+            enable_breakable_cuda_graph(),
+            BreakableCUDAGraphCapture(graph),
+        ):
+            step(x)
+        assert isinstance(info.value.__cause__, RuntimeError)
+        with (
+            pytest.raises(RuntimeError, match="my own bug") as alone,  # still the user's error
+            enable_breakable_cuda_graph(),
+            BreakableCUDAGraphCapture(BreakableCUDAGraph(backend="cpu")),
+        ):
+            raise RuntimeError("my own bug")
+        assert not isinstance(alone.value, ConcurrentCaptureError)
+    finally:
+        release.set()
+        worker.join()
+    assert runner.stats.failed_captures == 1

@@ -124,15 +124,6 @@ def test_two_runners_capture_in_two_threads_by_default() -> None:
     assert_idle()
 
 
-def test_global_mode_in_two_threads_stays_right() -> None:
-    # In "global" mode one capture may spoil the other's: whatever happens, values are right
-    # and a capture spoiled by the other thread is not blamed on its signature.
-    for runner, same in _two_threads("global"):
-        assert all(same)
-        assert "ConcurrentCaptureError" not in " ".join(runner.blocked_signatures.values())
-    assert_idle()
-
-
 # -- a wait on uncaptured work ---------------------------------------------------------------------
 
 
