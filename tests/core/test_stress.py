@@ -231,6 +231,8 @@ def test_stress_capture_replay_reset_cycles(device: str, caplog: pytest.LogCaptu
     for i in range(warm, CYCLES):
         kinds[i % len(kinds)](i)
         cycles.check_long_lived(i)
+        if i % 2000 == 0:
+            print(f"stress[{device}]: cycle {i}, {time.perf_counter() - started:.1f} s", flush=True)
     seconds = time.perf_counter() - started
     memory_after, tensors_after = _device_memory(device), _live_tensors()
     mib = 1 << 20

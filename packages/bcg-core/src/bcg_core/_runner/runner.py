@@ -473,8 +473,13 @@ class BreakableGraphRunner:
             capture_ms=capture_ms,
             pool_bytes=graph.pool_bytes(),
             # Arguments the captured step wrote in place (a KV cache, a position advanced):
-            # copied back after every replay, as eager would have left them.
-            written=tuple(i for i, t in enumerate(statics) if t._version != versions[i]),
+            # copied back after every replay, as eager would have left them. (An in-place
+            # change of shape, such as unsqueeze_, is not replayed by a graph: nothing to copy.)
+            written=tuple(
+                i
+                for i, t in enumerate(statics)
+                if t._version != versions[i] and t.shape == live[i].shape
+            ),
         )
         self._counts["captures"] += 1
         self._entries[sig] = entry
