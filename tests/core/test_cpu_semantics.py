@@ -263,8 +263,9 @@ def test_parse_is_capturing_errors() -> None:
         parse_is_capturing((0, 1, 2, None, [], 0))
 
 
-def test_capture_node_count_without_a_driver_is_unknown() -> None:
-    # No libcuda here (or a stream that is not capturing): unknown, so no segment is dropped.
+def test_capture_node_count_of_a_stream_not_capturing_is_unknown() -> None:
+    # No driver library, no initialised driver, or a stream that is not capturing: unknown
+    # (None), so no segment is ever dropped on a guess.
     assert RUNTIME.capture_node_count(_FakeStream()) is None
 
 
