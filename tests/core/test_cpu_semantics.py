@@ -29,7 +29,7 @@ from bcg_core import (
     is_in_breakable_cuda_graph,
 )
 from bcg_core._backends import CaptureStatus, backend_for  # noqa: PLC2701
-from bcg_core._backends.cudart import CudaRuntimeError, parse_capture_info  # noqa: PLC2701
+from bcg_core._backends.cudart import RUNTIME, CudaRuntimeError, parse_is_capturing  # noqa: PLC2701
 from bcg_core._capture.aliases import alias_tensor, alias_tree  # noqa: PLC2701
 from bcg_core._capture.bridges import Bridge  # noqa: PLC2701
 from bcg_core._capture.streams import hooks_installed, stream_hooks  # noqa: PLC2701
@@ -245,27 +245,32 @@ class _Status(enum.IntEnum):
     cudaStreamCaptureStatusInvalidated = 2
 
 
-def test_parse_capture_info_12x_and_13x() -> None:
-    graph = object()
-    v12 = (_Err.cudaSuccess, _Status.cudaStreamCaptureStatusActive, 7, graph, [], 0)
-    v13 = (_Err.cudaSuccess, _Status.cudaStreamCaptureStatusActive, 7, graph, [], [], 0)
-    for result in (v12, v13):
-        info = parse_capture_info(result)
-        assert info.status is CaptureStatus.ACTIVE
-        assert info.capture_id == 7 and info.graph is graph
-    idle = parse_capture_info(
-        (_Err.cudaSuccess, _Status.cudaStreamCaptureStatusNone, 0, None, [], 0)
-    )
-    assert idle.status is CaptureStatus.NONE and idle.graph is None
-    bad = parse_capture_info((0, 2, 0, None, [], [], 0))
-    assert bad.status is CaptureStatus.INVALIDATED
+def test_parse_is_capturing() -> None:
+    # Status only: no graph or dependency handle is ever read from the runtime's answer.
+    for status, want in (
+        (_Status.cudaStreamCaptureStatusActive, CaptureStatus.ACTIVE),
+        (_Status.cudaStreamCaptureStatusNone, CaptureStatus.NONE),
+        (_Status.cudaStreamCaptureStatusInvalidated, CaptureStatus.INVALIDATED),
+    ):
+        info = parse_is_capturing((_Err.cudaSuccess, status))
+        assert info.status is want and info.capture_id is None
 
 
-def test_parse_capture_info_errors() -> None:
+def test_parse_is_capturing_errors() -> None:
     with pytest.raises(CudaRuntimeError, match="cudaErrorStreamCaptureImplicit"):
-        parse_capture_info((_Err.cudaErrorStreamCaptureImplicit, None, None, None, None, None))
-    with pytest.raises(TypeError, match=r"6-tuple of cuda-bindings 12\.x"):
-        parse_capture_info((0, 1, 2))
+        parse_is_capturing((_Err.cudaErrorStreamCaptureImplicit, None))
+    with pytest.raises(TypeError, match=r"expected \(err, status\)"):
+        parse_is_capturing((0, 1, 2, None, [], 0))
+
+
+def test_capture_node_count_of_a_stream_not_capturing_is_unknown() -> None:
+    # No driver library, no initialised driver, or a stream that is not capturing: unknown
+    # (None), so no segment is ever dropped on a guess.
+    assert RUNTIME.capture_node_count(_FakeStream()) is None
+
+
+class _FakeStream:
+    cuda_stream = 0
 
 
 # -- validation and the no-CUDA path -----------------------------------------------------------

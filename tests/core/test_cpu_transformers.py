@@ -135,7 +135,7 @@ def test_sliding_window_is_refused_and_the_runner_stays_eager() -> None:
         positions = [layer.cumulative_length_int for layer in cache.layers]
         runner.capture(ids)  # refused part-way, then run eagerly: the cache moved on
         (why,) = runner.blocked_signatures.values()
-        assert "CaptureError" in why and "sliding-window attention (sliding_window=4096)" in why
+        assert "CaptureError" in why and "sliding-window attention (sliding_window=4096" in why
         assert not bcg_core.is_breakable_capture_active()
         assert runner.stats.entries == ()
         for t, s in zip(cache_tensors(cache), saved, strict=True):
@@ -254,3 +254,41 @@ def test_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match=r'pip install "bcg-core\[transformers\]"'):
         bcg_core.breakable_attention("sdpa")
+
+
+# Every family with sliding layers, windowed as its config says (the window is never reached:
+# the refusal must come from the model, its config or its layer, not from the values).
+WINDOWED: dict[str, Callable[[], Any]] = {
+    "mistral": lambda: transformers.MistralConfig(**SMALL),
+    "gemma2": lambda: transformers.Gemma2Config(**SMALL, head_dim=16, pad_token_id=0),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **SMALL, head_dim=16, pad_token_id=0, sliding_window=16
+    ),
+    "qwen2": lambda: transformers.Qwen2Config(
+        **SMALL, use_sliding_window=True, sliding_window=16, max_window_layers=0
+    ),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **{**SMALL, "num_hidden_layers": 2},
+        use_sliding_window=True, sliding_window=16, max_window_layers=2,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
+    "phi3": lambda: transformers.Phi3Config(**SMALL, pad_token_id=0, sliding_window=16),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_every_sliding_window_family_is_refused(family: str) -> None:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        WINDOWED[family](), attn_implementation=bcg_core.breakable_attention("sdpa"),
+        dtype=torch.float32,
+    ).eval()  # fmt: skip
+    prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
+    runner, _, _ = runner_and_caches(model, prompt, warmup_iters=0)
+    with torch.no_grad():
+        runner.capture(prompt[:, -1:])
+    (why,) = runner.blocked_signatures.values()
+    assert "CaptureError" in why and "sliding-window attention" in why
+    assert runner.stats.entries == ()
+    assert not bcg_core.is_breakable_capture_active()

@@ -195,3 +195,33 @@ def test_dit_workload_is_discovered_through_the_entry_point() -> None:
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("bcg-diffusion is on the path but not installed, so it has no entry points")
     assert "dit" in discover()
+
+
+class _Dummy:
+    """A class whose method stands in for the attention ops a handle patches."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize("bad", ["max_entries", "attention_class"])
+def test_dit_runner_releases_its_handle_when_its_constructor_fails(bad: str) -> None:
+    # Before issue 21 the runner kept the handle it owns when it raised (patch count 1, then 2).
+    from bcg_diffusion import patch_attribute
+    from bcg_diffusion._patching import patch_count  # noqa: PLC2701
+
+    handle = patch_attribute(_Dummy, "forward", _identity_wrap)
+    assert patch_count(_Dummy, "forward") == 1
+    kwargs: dict[str, object] = {"device": "cpu"}
+    if bad == "max_entries":
+        kwargs["max_entries"] = 0
+    else:
+        kwargs["attention_classes"] = (object(),)
+    with pytest.raises((ValueError, TypeError)):
+        DiTRunner(lambda x: x, breakable_attention=handle, **kwargs)  # type: ignore[arg-type]
+    assert patch_count(_Dummy, "forward") == 0
+    assert not handle.active
+
+
+def _identity_wrap(fn: object) -> object:
+    return fn

@@ -30,6 +30,7 @@ from bcg_core._errors import (
     BreakableGraphError,
     BreakOutputError,
     CaptureError,
+    ConcurrentCaptureError,
     ReplayError,
     UnjoinedStreamError,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "BreakableGraphRunner",
     "CaptureError",
     "CaptureReport",
+    "ConcurrentCaptureError",
     "DivergenceReport",
     "EntryStats",
     "GraphMemory",

@@ -50,6 +50,16 @@ class UnjoinedStreamError(CaptureError):
     """
 
 
+class ConcurrentCaptureError(CaptureError):
+    """A capture failed with a CUDA capture error while another thread had a capture open.
+
+    Capture with ``capture_error_mode="thread_local"`` or one thread at a time: in CUDA's
+    "global" capture mode one thread's capture makes other threads' unsafe calls (an
+    allocation, a synchronisation) fail and can invalidate captures, so the captured code is
+    probably not at fault. The original CUDA error is the ``__cause__``.
+    """
+
+
 class BreakOutputError(BreakableGraphError):
     """A break point returned something it may not.
 

@@ -34,10 +34,10 @@ from bcg_core import _trees
 Signature = tuple[Any, ...]
 
 
-class ScalarInput:
+class ScalarInput(_trees.Opaque):
     """Stands for a Python number that the runner copies into a 0-dim device tensor at every
-    call: the signature keeps its type (``bool``, ``int``, ``float``), not its value. (Slots, no
-    ``__dict__``: the tree walker takes it as a leaf.)"""
+    call: the signature keeps its type (``bool``, ``int``, ``float``), not its value. (An
+    :class:`~bcg_core._trees.Opaque`: the tree walker takes it as a leaf.)"""
 
     __slots__ = ("kind",)
 
@@ -133,6 +133,33 @@ def static_call(
     dataclasses and plain objects are passed as themselves."""
     call = _trees.map_tensors(_call(args, kwargs), make_static, into_objects=False)
     return call[0], call[1]
+
+
+def static_buffer(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A static input buffer on ``device`` holding ``t``'s values: detached (a buffer rewritten
+    at every call must not extend, or keep alive, any caller's autograd graph) and a normal
+    tensor even in inference mode (so an in-place write bumps its version counter, which is how
+    the runner learns that the graph writes an argument)."""
+    with torch.inference_mode(False):
+        if t.device == device:
+            return t.detach().clone()
+        buf = torch.empty_like(t, device=device)
+        buf.copy_(t.detach())
+        return buf
+
+
+def copy_unless_same(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` in one batched copy, skipping pairs that already share their
+    memory; never recorded by autograd (no_grad is entered only when grad mode is on: entering
+    it costs more than the copy's launch)."""
+    pairs = [(d, s) for d, s in zip(dst, src, strict=True) if d.data_ptr() != s.data_ptr()]
+    if not pairs:
+        return
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+    else:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
 def identity_objects(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:

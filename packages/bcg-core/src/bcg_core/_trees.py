@@ -13,11 +13,14 @@ What is a node (its children are walked), in this order:
 3. A dataclass instance of an unregistered type: its fields, in declaration order (what
    ``pytree.register_dataclass`` would give, without registering user types process-wide,
    which would change how ``torch.export`` and ``torch.compile`` treat them).
-4. A plain object (it has a ``__dict__`` and is not a module, class, function, method,
-   ``nn.Module`` or enum): its instance attributes, in insertion order. The *one rule* for
-   objects. Rebuilt as a shallow copy with the new attribute values; an object whose children
-   all come back unchanged is returned as itself (so user objects keep their identity unless a
-   tensor inside them was replaced). An object met again lower in its own tree (a cycle) is a leaf.
+4. A plain object (it has a ``__dict__`` or ``__slots__`` and is not a module, class,
+   function, method, ``nn.Module``, enum or :class:`Opaque`): its instance attributes — the
+   ``__dict__`` in insertion order, then the slots that hold a value, in declaration order
+   (base classes first). The *one rule* for objects: a slotted object is walked like one with
+   a ``__dict__``, so a rebound attribute or a changed number inside it is seen. Rebuilt as
+   a shallow copy with the new attribute values; an object whose children all come back
+   unchanged is returned as itself (so user objects keep their identity unless a tensor
+   inside them was replaced). An object met again lower in its own tree (a cycle) is a leaf.
 
 Everything else is a leaf. The :class:`TreeSpec` of a structure records each node's type and
 its *context*: dict keys, field or attribute names, named-tuple fields, a list's length. Two
@@ -41,7 +44,15 @@ import torch
 # torch's own pytree registry: what torch.compile, export and libraries register nodes with.
 import torch.utils._pytree as pytree  # noqa: PLC2701
 
+
+class Opaque:
+    """Base of our own slotted value types that must stay leaves (signature markers)."""
+
+    __slots__ = ()
+
+
 _OPAQUE = (
+    Opaque,
     torch.nn.Module,
     type,
     types.FunctionType,
@@ -86,9 +97,41 @@ def _kind(obj: Any) -> str | None:
         return None
     if dataclasses.is_dataclass(obj):
         return _DATACLASS
-    if hasattr(obj, "__dict__"):
+    if hasattr(obj, "__dict__") or _slot_names(cls):
         return _OBJECT
     return None
+
+
+_SLOT_NAMES: dict[type, tuple[str, ...]] = {}  # a cache; a racing duplicate entry is harmless
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The attribute names of ``cls``'s slots, base classes first (private names mangled)."""
+    found = _SLOT_NAMES.get(cls)
+    if found is not None:
+        return found
+    names: list[str] = []
+    for klass in reversed(cls.__mro__):
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{klass.__name__.lstrip('_')}{name}"
+            if name not in names:
+                names.append(name)
+    return _SLOT_NAMES.setdefault(cls, tuple(names))
+
+
+def _attributes(obj: Any) -> dict[str, Any]:
+    """An object's instance attributes: its ``__dict__``, then its slots that hold a value."""
+    attrs = dict(getattr(obj, "__dict__", {}))
+    for name in _slot_names(type(obj)):
+        try:
+            attrs.setdefault(name, object.__getattribute__(obj, name))
+        except AttributeError:  # an empty slot
+            continue
+    return attrs
 
 
 def _children(obj: Any, kind: str) -> tuple[list[Any], Any]:
@@ -99,7 +142,7 @@ def _children(obj: Any, kind: str) -> tuple[list[Any], Any]:
     if kind == _DATACLASS:
         names = tuple(f.name for f in dataclasses.fields(obj))
         return [getattr(obj, n) for n in names], names
-    attrs = vars(obj)
+    attrs = _attributes(obj)
     return list(attrs.values()), tuple(attrs)
 
 

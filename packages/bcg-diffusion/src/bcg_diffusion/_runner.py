@@ -62,9 +62,15 @@ class DiTRunner(BreakableGraphRunner):
                 "breakable_attention takes the handle make_attention_ops_breakable(model) "
                 f"returns, got {breakable_attention!r}"
             )
-        runner_options.setdefault("replay_context", replay_token_scope)
-        super().__init__(model, **runner_options)
-        patches = [patch_attention_classes(*attention_classes)]
+        try:
+            runner_options.setdefault("replay_context", replay_token_scope)
+            super().__init__(model, **runner_options)
+            patches = [patch_attention_classes(*attention_classes)]
+        except BaseException:
+            # The runner owns the handle it was given: a runner that was never made releases it.
+            if breakable_attention is not None:
+                breakable_attention.remove()
+            raise
         if breakable_attention is not None:
             patches.append(breakable_attention)
         self._patches: list[PatchHandle] = patches

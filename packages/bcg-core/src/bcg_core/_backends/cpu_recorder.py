@@ -36,12 +36,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar, Token
-from types import FrameType
 from typing import Any, NoReturn
 
 import torch
@@ -49,6 +47,7 @@ import torch.utils._python_dispatch
 
 from bcg_core._compare import bitwise_equal
 from bcg_core._errors import CaptureError, HostSyncError, ReplayError
+from bcg_core._source import user_location
 from bcg_core._trees import map_tensors, tensor_leaves
 
 Step = Callable[[], object]
@@ -115,24 +114,6 @@ def host_sync_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         return _READS_VALUE
     if packet in _DYNAMIC_SHAPES or torch.Tag.dynamic_output_shape in tags:
         return _DYNAMIC_SHAPE
-    return None
-
-
-_SKIPPED_DIRS = (
-    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    "<frozen ",
-)
-
-
-def user_location() -> str | None:
-    """``file:line`` of the innermost frame outside torch and bcg_core, or None."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_SKIPPED_DIRS):
-            return f"{filename}:{frame.f_lineno}"
-        frame = frame.f_back
     return None
 
 

@@ -44,9 +44,7 @@ class CudaSegment:
 
     def capture_end(self) -> None:
         assert self._stream is not None, "capture_end() without capture_begin()"
-        info = RUNTIME.capture_info(self._stream)
-        nodes = RUNTIME.graph_node_count(info.graph)
-        self._empty = nodes == 0
+        self._empty = RUNTIME.capture_node_count(self._stream) == 0
         with warnings.catch_warnings():
             # torch warns about empty graphs; an empty segment is expected between adjacent breaks.
             if self._empty:
@@ -200,7 +198,9 @@ def _end_pool_routing(pool: Any) -> None:
 def _install_stream_hooks(observer: StreamObserver) -> Callable[[], None]:
     # Event.record/Event.wait are what Stream.record_event, Stream.wait_event and
     # Stream.wait_stream go through; set_stream is what torch.cuda.stream goes through. Each
-    # wrapper calls the original first, then reports to the capture found in the caller's context.
+    # wrapper calls the original first, then reports to the capture found in the caller's
+    # context; a wait the capture drops (on uncaptured work, see StreamTracker.drops_wait) is
+    # not made at all.
     record = torch.cuda.Event.record
     wait = torch.cuda.Event.wait
     set_stream = torch.cuda.set_stream
@@ -212,10 +212,13 @@ def _install_stream_hooks(observer: StreamObserver) -> Callable[[], None]:
             events.on_record(self, stream if stream is not None else torch.cuda.current_stream())
 
     def event_wait(self: Any, stream: Any = None) -> None:
-        wait(self, stream)
         events = observer()
+        target = stream if stream is not None else torch.cuda.current_stream()
+        if events is not None and events.drops_wait(target, self):
+            return
+        wait(self, stream)
         if events is not None:
-            events.on_wait(stream if stream is not None else torch.cuda.current_stream(), self)
+            events.on_wait(target, self)
 
     def set_stream_hook(stream: Any) -> None:
         set_stream(stream)

@@ -25,17 +25,23 @@ class CaptureStatus(enum.IntEnum):
 
 @dataclass(frozen=True)
 class CaptureInfo:
-    """What the runtime says about one stream. ``graph`` is the runtime's handle, or None."""
+    """What the runtime says about one stream. No handle the runtime owns is kept: the
+    graph being captured is asked about only inside the query that found it ACTIVE
+    (``cudart.py``)."""
 
     status: CaptureStatus
     capture_id: int | None = None
-    graph: Any = None
 
 
 class StreamEvents(Protocol):
     """What a capture learns from stream hooks (implemented by ``_streams.StreamTracker``)."""
 
     def on_record(self, event: Any, stream: Any) -> None: ...
+
+    def drops_wait(self, stream: Any, event: Any) -> bool:
+        """Asked before a wait: True when it is dropped (capturing ``stream`` waiting on work
+        recorded outside the capture)."""
+        ...
 
     def on_wait(self, stream: Any, event: Any) -> None: ...
 

@@ -16,13 +16,23 @@ import torch
 from bcg_core._backends import CaptureStatus, GraphBackend, Segment
 from bcg_core._capture.aliases import alias_tree
 from bcg_core._capture.bridges import Bridge, PoolAddresses, contains_device_tensor
-from bcg_core._capture.context import active_capture, enter_capture, exit_capture
+from bcg_core._capture.context import (
+    active_capture,
+    captures_on_other_threads,
+    enter_capture,
+    exit_capture,
+)
 from bcg_core._capture.debug import DebugLevel, FreshTensorTracker, debug_level, report_leaks
 from bcg_core._capture.flag import breakable_graphs_disabled, disabled_reason
 from bcg_core._capture.gc_pause import gc_paused
 from bcg_core._capture.graph import BreakableCUDAGraph, BreakStep, SegmentStep, Step
 from bcg_core._capture.streams import StreamTracker, stream_hooks
-from bcg_core._errors import BreakOutputError, CaptureError, UnjoinedStreamError
+from bcg_core._errors import (
+    BreakOutputError,
+    CaptureError,
+    ConcurrentCaptureError,
+    UnjoinedStreamError,
+)
 
 logger = logging.getLogger("bcg_core")
 
@@ -52,12 +62,13 @@ class CaptureState:
         # A backend that runs ops while recording them has already executed the segment.
         self.launch_after_capture = faithful and not backend.executes_at_capture
         self.debug = debug
-        self.tracker = StreamTracker(stream)
+        self.tracker = StreamTracker(stream, backend)
         self.steps: list[Step] = []
         # Empty segments are not replayed but stay alive until the graph is reset: each holds a
         # reference on the pool, and releasing one mid-capture could free a bare-id pool.
         self.dropped: list[Segment] = []
         self.segment: Segment | None = None
+        self.thread = threading.get_ident()
         self._segment_thread = 0
         self.in_break = False
         self.where = "before the first segment"
@@ -417,7 +428,9 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
                 self._fail(state, exc)
 
     def _fail(self, state: CaptureState, exc: BaseException) -> None:
-        if hasattr(exc, "add_note"):
+        # Asked before the stack closes: this capture is still registered, and so are others.
+        others = captures_on_other_threads(state.thread)
+        if hasattr(exc, "add_note"):  # Python >= 3.11
             exc.add_note(f"bcg: raised {state.where} of a breakable CUDA graph capture")
         try:
             state.abort()
@@ -425,3 +438,20 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
             self.cuda_graph._fail_capture(
                 [*state.steps, *map(SegmentStep, state.dropped)], pool_compromised=True
             )
+        # A raw CUDA capture error (bcg's own errors and user errors are not) while another
+        # thread captures: say so, so that the step is not blamed for it.
+        cuda_capture_error = (
+            isinstance(exc, RuntimeError)
+            and not isinstance(exc, CaptureError)
+            and "captur" in str(exc).lower()
+        )
+        if others and cuda_capture_error:
+            other = others[0]
+            raise ConcurrentCaptureError(
+                f"{state.where}: the capture failed with a CUDA capture error ({exc}) while "
+                f"another thread was capturing too (stream {other.stream!r}, "
+                f"capture_error_mode={other.mode!r}; this capture's: {state.mode!r}). In "
+                "'global' mode a capture makes other threads' unsafe calls (allocations, "
+                "synchronisations) fail: capture with capture_error_mode='thread_local' "
+                "(runners do by default) or one thread at a time."
+            ) from exc

@@ -57,6 +57,12 @@ def exit_capture(token: Token[CaptureState | None], stream_handle: int) -> None:
     _CAPTURE.reset(token)
 
 
+def captures_on_other_threads(thread: int) -> list[CaptureState]:
+    """The captures open right now on threads other than ``thread``."""
+    with _registry_lock:
+        return [s for s in _by_stream.values() if s.thread != thread]
+
+
 def is_breakable_capture_active() -> bool:
     """Whether a breakable capture is running right now in this context.
 

@@ -1,13 +1,17 @@
-"""Python's cyclic garbage collector held off while any breakable capture is open.
+"""Python's automatic garbage collection held off while any breakable capture is open.
 
 A collection that runs inside a capture can finalize a dead ``torch.cuda.CUDAGraph`` (an old
 runner or graph caught in a reference cycle). Its destructor destroys a CUDA graph, which CUDA
 forbids while a stream captures in "global" mode: the capture is invalidated and fails with
 ``cudaErrorStreamCaptureInvalidated`` for no fault of the captured code. Automatic collections
 are therefore paused from the first open capture to the last one closing (captures in several
-threads share one count, under a lock) and the collector's previous state is restored then;
-the garbage is collected by the next automatic collection after capture. An explicit
-``gc.collect()`` in user code still runs.
+threads share one count, under a lock); the garbage is collected by the next automatic
+collection after capture. An explicit ``gc.collect()`` in user code still runs.
+
+While paused, ``gc.disable`` and ``gc.enable`` are replaced (installed with the first open
+capture, always removed with the last) by functions that only note what the user asked for:
+at the end the collector is left exactly as the user last set it, so a ``gc.disable()`` made
+inside a capture stays, and a ``gc.enable()`` made there takes effect once no capture is open.
 """
 
 from __future__ import annotations
@@ -19,21 +23,37 @@ from contextlib import contextmanager
 
 _lock = threading.Lock()
 _open = 0  # captures holding the pause
-_was_enabled = False  # the collector's state when the first of them began
+_wanted = True  # the collector's state as the user last set it
+_enable, _disable = gc.enable, gc.disable
+
+
+def _user_enable() -> None:
+    global _wanted
+    with _lock:
+        _wanted = True
+
+
+def _user_disable() -> None:
+    global _wanted
+    with _lock:
+        _wanted = False
 
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
-    global _open, _was_enabled
+    global _open, _wanted
     with _lock:
         if _open == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
+            _wanted = gc.isenabled()
+            _disable()
+            gc.enable, gc.disable = _user_enable, _user_disable
         _open += 1
     try:
         yield
     finally:
         with _lock:
             _open -= 1
-            if _open == 0 and _was_enabled:
-                gc.enable()
+            if _open == 0:
+                gc.enable, gc.disable = _enable, _disable
+                if _wanted:
+                    _enable()

@@ -223,8 +223,14 @@ class BreakableCUDAGraph:
                 "capture block has exited"
             )
         # Replay never switches streams: the replay stream is simply torch's current stream.
-        for run in self._plan:
-            run()
+        i = 0
+        try:
+            for i, run in enumerate(self._plan):  # noqa: B007 (i names the step that raised)
+                run()
+        except BaseException as exc:
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(f"bcg: raised at replay by {self._step_label(i)}")
+            raise
 
     def reset(self) -> None:
         """Drop all segments and breaks (and their bridges); keep the pool for the next capture.
@@ -327,6 +333,12 @@ class BreakableCUDAGraph:
             self._steps = ()
             self._plan = ()
             self._state = _State.FAILED
+
+    def _step_label(self, index: int) -> str:
+        step = self._steps[index]
+        if isinstance(step, BreakStep):
+            return f"break {step.name!r} (step {index + 1} of {len(self._steps)})"
+        return f"{_step_names(self._steps)[index]} (step {index + 1} of {len(self._steps)})"
 
     def _not_ready(self) -> str:
         if self._state is _State.FAILED:

@@ -15,22 +15,25 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from bcg_core._backends import GraphBackend
+from bcg_core._backends import CaptureStatus, GraphBackend
 from bcg_core._capture.context import active_capture
+from bcg_core._source import user_location
 
 
 class StreamTracker:
     """Forks and joins seen in the current segment, and streams touched by the current break."""
 
-    def __init__(self, origin: Any) -> None:
+    def __init__(self, origin: Any, backend: GraphBackend) -> None:
         self.origin = origin
         self._origin = origin.cuda_stream
+        self._backend = backend
         self._forked: dict[int, Any] = {}
         self._ever_forked: dict[int, Any] = {}
-        self._events: dict[int, tuple[Any, int]] = {}
+        self._events: dict[int, tuple[Any, Any]] = {}
         self._break: dict[int, Any] | None = None
 
     def begin_segment(self) -> None:
@@ -59,15 +62,41 @@ class StreamTracker:
 
     def on_record(self, event: Any, stream: Any) -> None:
         # Keep the event object alive while its id is a key, so ids cannot be recycled.
-        self._events[id(event)] = (event, stream.cuda_stream)
+        self._events[id(event)] = (event, stream)
         self._touch(stream)
+
+    def drops_wait(self, stream: Any, event: Any) -> bool:
+        """Whether a wait of ``stream`` on ``event`` is to be dropped (with a warning naming the
+        call site): ``stream`` is capturing and ``event`` marks work recorded on a stream that
+        is not (``side.wait_stream`` at capture, ``side`` holding eager work from before). CUDA
+        refuses such a dependency ("dependency created on uncaptured work in another stream")
+        and a replay could not honour it anyway: the work waited for is not in the graph."""
+        record = self._events.get(id(event))
+        if record is None or self._break is not None:
+            return False
+        status = self._backend.capture_info
+        if status(stream).status is not CaptureStatus.ACTIVE:
+            return False
+        if status(record[1]).status is not CaptureStatus.NONE:
+            return False
+        where = user_location() or "an unknown line"
+        warnings.warn(
+            f"bcg: dropped a wait of the capturing stream {stream!r} on {record[1]!r}, which "
+            f"holds work issued outside the capture (at {where}): a graph cannot depend on "
+            "uncaptured work. The wait is not captured, so finish that work before the capture "
+            "starts (e.g. side.synchronize(), or order it on the caller's stream) if the "
+            "captured code reads its results.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return True
 
     def on_wait(self, stream: Any, event: Any) -> None:
         self._touch(stream)
         record = self._events.get(id(event))
         if record is None or self._break is not None:
             return
-        src, dst = record[1], stream.cuda_stream
+        src, dst = record[1].cuda_stream, stream.cuda_stream
         if dst == self._origin or dst in self._forked:
             self._forked.pop(src, None)  # joined (into the origin, or into a stream that must be)
         elif src == self._origin or src in self._forked:

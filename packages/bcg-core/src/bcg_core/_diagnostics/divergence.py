@@ -39,7 +39,14 @@ from bcg_core._capture.graph import BreakableCUDAGraph, BreakStep, SegmentStep
 from bcg_core._compare import bitwise_equal
 from bcg_core._diagnostics.divergence_report import Cause, DivergenceReport, Status, TensorDiff
 from bcg_core._errors import CaptureError
-from bcg_core._signature import Signature, flatten_signature, signature_and_tensors, static_call
+from bcg_core._signature import (
+    Signature,
+    copy_unless_same,
+    flatten_signature,
+    signature_and_tensors,
+    static_buffer,
+    static_call,
+)
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 InputSet = Any  # a Call, a tuple of positional arguments, one argument, or a callable of those
@@ -166,7 +173,7 @@ def check_divergence(
     statics: list[torch.Tensor] = []
 
     def make_static(t: torch.Tensor) -> torch.Tensor:
-        statics.append(t.detach().clone())
+        statics.append(static_buffer(t, t.device))
         return statics[-1]
 
     static_args, static_kwargs = static_call(*first, make_static)
@@ -181,7 +188,7 @@ def check_divergence(
                 def load() -> Call:
                     call = _resolve(entry)
                     live = _check_same_shapes(sig0, call, i)
-                    _copy_into(statics, live)
+                    copy_unless_same(statics, live)
                     fill = iter(statics)
                     return static_call(*call, lambda _: next(fill))
 
@@ -501,12 +508,6 @@ def _check_same_shapes(sig0: Signature, call: Call, index: int) -> list[torch.Te
                 "must match: check each shape with its own input sets"
             )
     return live
-
-
-def _copy_into(statics: list[torch.Tensor], live: list[torch.Tensor]) -> None:
-    pairs = [(d, s) for d, s in zip(statics, live, strict=True) if d.data_ptr() != s.data_ptr()]
-    if pairs:
-        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
 def _restored_rng() -> AbstractContextManager[Any]:

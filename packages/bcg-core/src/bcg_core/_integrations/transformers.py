@@ -183,22 +183,54 @@ def _make_breakable(
     return attention
 
 
+_WINDOWED_LAYERS = ("sliding_attention", "chunked_attention")
+
+
+def _sliding_window(module: Any, kwargs: dict[str, Any]) -> str | None:
+    """Why this attention layer attends through a window (in words), or None for full
+    attention. Read from what the model says, not from the call alone: the call's
+    ``sliding_window=`` (Mistral, Phi-3, Gemma), the module's ``sliding_window`` (Qwen2-MoE sets
+    it on sliding layers and passes it through the mask only), the config's ``layer_types``
+    entry for this layer (Gemma 2/3, Qwen2, Qwen2-MoE, Cohere 2, Llama 4's chunked layers...),
+    else the config's ``sliding_window`` unless ``use_sliding_window`` is off. Qwen2-style
+    configs write 0 or None for "no window"."""
+    window = kwargs.get("sliding_window")
+    if window:
+        return f"sliding_window={window} in the attention call"
+    window = getattr(module, "sliding_window", None)
+    if window:
+        return f"{type(module).__name__}.sliding_window={window}"
+    config = getattr(module, "config", None)
+    if config is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    layer = getattr(module, "layer_idx", None)
+    if layer_types and isinstance(layer, int) and 0 <= layer < len(layer_types):
+        kind = layer_types[layer]
+        return f"config.layer_types[{layer}]={kind!r}" if kind in _WINDOWED_LAYERS else None
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        return f"config.sliding_window={window}"
+    return None
+
+
 def _refuse_sliding_window(module: Any, kwargs: dict[str, Any]) -> None:
     """Sliding-window layers cannot be captured: transformers keeps their cache position in a
     Python int (``StaticSlidingWindowLayer.cumulative_length_int``; the mask's query offset and
     the model's positions come from it), which a graph freezes. Every replay at another
     position would then attend with the capture's mask: wrong logits, no error."""
-    window = kwargs.get("sliding_window")
-    if window is None:
+    why = _sliding_window(module, kwargs)
+    if why is None:
         return
     raise CaptureError(
         f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) uses "
-        f"sliding-window attention (sliding_window={window}): transformers keeps the position "
+        f"sliding-window attention ({why}): transformers keeps the position "
         "of sliding-window cache layers in a Python int, which a graph would freeze, so every "
         "replay at another position would use the capture's mask and positions. Capture only "
         "full-attention models: when the context never exceeds the window, build the model "
-        "with config.sliding_window = None (Mistral) or every layer_types entry "
-        '"full_attention"; otherwise run this model eagerly.'
+        "with config.sliding_window = None (Mistral, Phi-3), use_sliding_window = False "
+        '(Qwen2, Qwen2-MoE) or every layer_types entry "full_attention"; otherwise run this '
+        "model eagerly."
     )
 
 

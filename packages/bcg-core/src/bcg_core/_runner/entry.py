@@ -12,6 +12,7 @@ import torch
 
 from bcg_core import _trees
 from bcg_core._capture.graph import BreakableCUDAGraph
+from bcg_core._signature import copy_unless_same
 
 
 def _cloner(output: Any) -> Callable[[], Any]:
@@ -30,7 +31,10 @@ class Entry:
     is copied into its buffer with one batched ``_foreach_copy_`` (skipped when it already is
     the buffer), except those at the positions in ``fill`` (0-dim CPU tensors whose buffer
     lives on a device): they are written with ``fill_``, which passes the value as a kernel
-    argument, where a host-to-device copy would synchronise the stream.
+    argument, where a host-to-device copy would synchronise the stream. The buffers at the
+    positions in ``written`` are the arguments the graph writes in place (their version
+    counters moved during the capture): after each replay they are copied back into the
+    caller's tensors (:meth:`store`), so an in-place update is never lost.
     """
 
     graph: BreakableCUDAGraph
@@ -43,28 +47,29 @@ class Entry:
     capture_runs: int
     capture_ms: float
     pool_bytes: int | None
+    written: tuple[int, ...] = ()
     replays: int = 0
     warmup_ms: float = 0.0
     _copy: tuple[int, ...] = field(init=False)
+    _copy_dst: list[torch.Tensor] = field(init=False)
     clone: Callable[[], Any] = field(init=False)
 
     def __post_init__(self) -> None:
         self._copy = tuple(i for i in range(len(self.statics)) if i not in self.fill)
+        self._copy_dst = [self.statics[i] for i in self._copy]
         self.clone = _cloner(self.output)
 
     def load(self, live: list[torch.Tensor], values: list[bool | int | float]) -> None:
         """Write one call's inputs into the static buffers."""
         statics = self.statics
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
-        for i in self._copy:
-            d, s = statics[i], live[i]
-            if d.data_ptr() != s.data_ptr():
-                dst.append(d)
-                src.append(s)
-        if dst:
-            torch._foreach_copy_(dst, src)
+        copy_unless_same(self._copy_dst, [live[i] for i in self._copy])
         for i in self.fill:
-            statics[i].fill_(live[i])
+            statics[i].fill_(live[i].item())
         for buf, value in zip(self.scalars, values, strict=True):
             buf.fill_(value)
+
+    def store(self, live: list[torch.Tensor]) -> None:
+        """Copy the buffers the graph wrote back into the caller's tensors."""
+        if self.written:
+            statics = self.statics
+            copy_unless_same([live[i] for i in self.written], [statics[i] for i in self.written])

@@ -16,7 +16,7 @@ import torch
 from bcg_core import _trees
 from bcg_core._backends import backend_for_device
 from bcg_core._capture.bridges import PoolAddresses
-from bcg_core._capture.capture import BreakableCUDAGraphCapture
+from bcg_core._capture.capture import CAPTURE_ERROR_MODES, BreakableCUDAGraphCapture
 from bcg_core._capture.flag import (
     breakable_graphs_disabled,
     disabled_reason,
@@ -27,6 +27,7 @@ from bcg_core._capture.flag import (
 from bcg_core._capture.graph import BreakableCUDAGraph
 from bcg_core._diagnostics.divergence import runner_divergence
 from bcg_core._diagnostics.divergence_report import DivergenceReport
+from bcg_core._errors import ConcurrentCaptureError
 from bcg_core._runner.entry import Entry
 from bcg_core._runner.pool import PoolTurn, share_turn
 from bcg_core._runner.progress import capture_progress
@@ -36,6 +37,7 @@ from bcg_core._signature import (
     describe_difference,
     identity_objects,
     signature_and_tensors,
+    static_buffer,
     static_call,
 )
 
@@ -183,6 +185,20 @@ class BreakableGraphRunner:
     distinct misses are logged with the fields that differ from the nearest captured
     signature, later ones are only counted in :attr:`stats`.
 
+    **Threads.** Captures use ``capture_error_mode="thread_local"`` by default (any of
+    "global", "thread_local", "relaxed"): CUDA then refuses unsafe calls only on the capturing
+    thread, so runners with their own pools can capture in several threads at once (in
+    "global" mode one thread's capture makes another's allocation fail). A capture that fails
+    while another thread was capturing is reported as spoiled by it (warning) and its
+    signature is not blocked: a later capture retries it.
+
+    **Arguments written in place.** A tensor argument in containers is copied into a static
+    buffer at every call; when the captured step writes that buffer in place (its version
+    counter moved during capture: a KV cache update, a position advanced with ``add_``), the
+    buffer is copied back into the caller's tensor after every replay (and after the capture),
+    so the caller sees what eager would have left there. Tensors inside objects are used in
+    place (keyed by address), never copied.
+
     **Failure modes.** Breakable graphs disabled (``BCG_DISABLE=1`` or inside
     :func:`disable_breakable_graphs`): every call runs eagerly, announced once per runner. A
     capture that raises blocks its signature (eager from then on) with a warning naming it; a
@@ -211,6 +227,9 @@ class BreakableGraphRunner:
             ``graph.pool()``); default None: the runner makes its own on first use.
         as_tensor: argument positions (int) and keyword names (str) whose Python numbers are
             passed as 0-dim tensors, so one graph serves every value (default: none).
+        capture_error_mode: CUDA's capture mode for every capture, ``"thread_local"`` (the
+            default: other threads may allocate and capture meanwhile), ``"global"`` or
+            ``"relaxed"``.
 
     Raises:
         TypeError: ``module`` is not callable, ``pool`` is a graph or a runner instead of a
@@ -232,6 +251,7 @@ class BreakableGraphRunner:
         replay_context: Callable[[], AbstractContextManager[Any]] | None = None,
         pool: Any = None,
         as_tensor: Iterable[int | str] = (),
+        capture_error_mode: str = "thread_local",
     ) -> None:
         if not callable(module):
             raise TypeError(f"BreakableGraphRunner wraps a callable, got {module!r}")
@@ -241,6 +261,11 @@ class BreakableGraphRunner:
             raise ValueError(f"max_segments must be >= 1 or None, got {max_segments}")
         if warmup_iters < 0:
             raise ValueError(f"warmup_iters must be >= 0, got {warmup_iters}")
+        if capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise ValueError(
+                f"capture_error_mode must be one of {CAPTURE_ERROR_MODES}, "
+                f"got {capture_error_mode!r}"
+            )
         if isinstance(pool, (BreakableCUDAGraph, BreakableGraphRunner)):
             raise TypeError(
                 f"pool= takes a memory pool, got a {type(pool).__name__}; pass its pool "
@@ -253,6 +278,7 @@ class BreakableGraphRunner:
         self.warmup_iters = warmup_iters
         self.return_views = return_views
         self.replay_context = replay_context
+        self.capture_error_mode = capture_error_mode
         self.disabled_reason: str | None = None
         self._graph_backend = backend_for_device(self.device)
         self._pool = pool
@@ -313,7 +339,7 @@ class BreakableGraphRunner:
                 self._counts["hits"] += 1
                 return self._replay(entry, live, values)
             if sig not in self._blocked and self._window > 0:
-                return self._capture(sig, (args, kwargs), (call_args, call_kwargs), values)
+                return self._capture(sig, (args, kwargs), (call_args, call_kwargs), live, values)
             self._counts["misses"] += 1
             self._diagnose_miss(sig)
             return self.module(*args, **kwargs)
@@ -599,19 +625,22 @@ class BreakableGraphRunner:
             return False
         return True
 
-    def _capture(self, sig: Signature, call: Call, lifted: Call, values: list[Any]) -> Any:
+    def _capture(
+        self,
+        sig: Signature,
+        call: Call,
+        lifted: Call,
+        live: list[torch.Tensor],
+        values: list[Any],
+    ) -> Any:
         backend, device = self._graph_backend, self.device
         statics: list[torch.Tensor] = []
         fill: list[int] = []
 
         def make_static(t: torch.Tensor) -> torch.Tensor:
-            if t.device == device:
-                buf = t.clone()
-            else:
-                buf = torch.empty_like(t, device=device)
-                buf.copy_(t)
-                if t.dim() == 0 and t.is_cpu and not buf.is_cpu:
-                    fill.append(len(statics))
+            buf = static_buffer(t, device)
+            if t.dim() == 0 and t.is_cpu and not buf.is_cpu:
+                fill.append(len(statics))
             statics.append(buf)
             return buf
 
@@ -625,24 +654,32 @@ class BreakableGraphRunner:
         graph = BreakableCUDAGraph(pool=pool, backend=backend.name)
         # Static buffers and scalar slots are device memory the graph re-reads at every replay.
         backend.note_graph_memory(pool, [*statics, *scalars])
-        current = backend.current_stream(device)
+        current, lane = backend.current_stream(device), self.stream
         started = time.perf_counter()
         try:
             # Warm-ups where the capture will run, their allocations in the pool: the capture
             # reuses the blocks they freed (DESIGN.md, "Warm-ups in the pool").
-            with graph.warmup() as lane, enable_breakable_cuda_graph():
+            with graph.warmup(), enable_breakable_cuda_graph():
                 # They may reuse pool memory that the last replay (on any stream) still uses.
                 self._turn.wait(lane)
                 for _ in range(self.warmup_iters):
                     self.module(*static_args, **static_kwargs)
             backend.synchronize((lane,))  # start-up only: the capture's own time is reported
+            versions = [t._version for t in statics]
             captured = time.perf_counter()
-            with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+            with (
+                enable_breakable_cuda_graph(),
+                BreakableCUDAGraphCapture(graph, capture_error_mode=self.capture_error_mode),
+            ):
                 output = self.module(*static_args, **static_kwargs)
             backend.synchronize((lane,))
             done = time.perf_counter()
-        except Exception as exc:
-            return self._capture_failed(sig, graph, exc, call)
+        except BaseException as exc:
+            current.wait_stream(lane)  # before the static buffers are freed
+            self._discard(graph)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt, SystemExit: the pool rule kept, the signature not blamed
+            return self._capture_failed(sig, exc, call)
         if self.max_segments is not None and graph.num_segments > self.max_segments:
             self.disabled_reason = (
                 f"a capture produced {graph.num_segments} graph segments, more than "
@@ -663,6 +700,14 @@ class BreakableGraphRunner:
             capture_ms=(done - captured) * 1e3,
             pool_bytes=graph.pool_bytes(),
             warmup_ms=(captured - started) * 1e3,
+            # Arguments the captured step wrote in place (a KV cache, a position advanced):
+            # copied back after every replay, as eager would have left them. (An in-place
+            # change of shape, such as unsqueeze_, is not replayed by a graph: nothing to copy.)
+            written=tuple(
+                i
+                for i, t in enumerate(statics)
+                if t._version != versions[i] and t.shape == live[i].shape
+            ),
         )
         self._counts["captures"] += 1
         self._entries[sig] = entry
@@ -673,21 +718,32 @@ class BreakableGraphRunner:
             self._counts["evictions"] += 1
         # The capture executed the step (segments are launched as they are captured), so its
         # output holds this call's result: no replay is needed.
+        entry.store(live)
         # (A clone capture_many discards would stay cached outside the pool.)
         result = output if self.return_views or self._discard_outputs else entry.clone()
         self._turn.record(current)
         return result
 
-    def _capture_failed(
-        self, sig: Signature, graph: BreakableCUDAGraph, exc: Exception, call: Call
-    ) -> Any:
-        self._counts["failed"] += 1
-        self._blocked[sig] = f"{type(exc).__name__}: {exc}"
+    def _discard(self, graph: BreakableCUDAGraph) -> None:
+        """Drop a graph whose capture did not finish, however it ended."""
         graph.reset()
         if self._owns_pool:
             # A capture that failed half-way can leave torch routing host allocations to the
             # pool; later captures start in a fresh one (the graphs already made keep theirs).
             self._pool = None
+
+    def _capture_failed(self, sig: Signature, exc: Exception, call: Call) -> Any:
+        self._counts["failed"] += 1
+        if isinstance(exc, ConcurrentCaptureError):
+            # Not this signature's fault: a later capture (in a warmup window) retries it.
+            logger.warning(
+                "bcg: capture for signature %s was spoiled by another thread's capture (%s); "
+                "this call runs eagerly and the signature is not blocked",
+                sig,
+                exc,
+            )
+            return self.module(*call[0], **call[1])
+        self._blocked[sig] = f"{type(exc).__name__}: {exc}"
         logger.warning(
             "bcg: capture failed for signature %s (%s: %s); this signature runs eagerly from "
             "now on",
@@ -710,6 +766,7 @@ class BreakableGraphRunner:
             else:
                 with self.replay_context():
                     entry.graph.replay()
+            entry.store(live)
             out = entry.output if self.return_views else entry.clone()
         finally:
             flag_reset(token)
