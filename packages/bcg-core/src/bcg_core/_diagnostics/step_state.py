@@ -5,16 +5,17 @@ A graph replays what it recorded, so a step that advances its own Python state (
 eager runs of the same inputs that differ. Comparing values alone would call that "not
 reproducible" or blame a segment; naming the attribute says what to fix.
 
-Watched: the modules the step calls (a global forward pre-hook, installed only while one eager
-run is watched, then removed), the module ``fn`` is or is bound to, and generators in ``fn``'s
-closure. Per module, its own instance attributes that are plain Python values (numbers,
-strings, tuples and lists of them) or generators; parameters, buffers, submodules, tensors and
-torch's bookkeeping are not state a graph freezes.
+Watched: the modules the step calls in this thread (a global forward pre-hook, installed only
+while one eager run is watched, then removed), the module ``fn`` is or is bound to, and
+generators in ``fn``'s closure. Per module, its own instance attributes that are plain Python
+values (numbers, strings, tuples and lists of them) or generators; parameters, buffers,
+submodules, tensors and torch's bookkeeping are not state a graph freezes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -81,8 +82,12 @@ class StepStateWatch:
                 self._see(module)
         self._closure = _snapshot(self._fn, self._closure_items())
 
+        # The hook is process-wide: modules other threads call are not the step's.
+        thread = threading.get_ident()
+
         def pre_hook(module: torch.nn.Module, args: Any) -> None:
-            self._see(module)
+            if threading.get_ident() == thread:
+                self._see(module)
 
         handle = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
         try:
