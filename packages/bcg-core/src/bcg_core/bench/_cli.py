@@ -71,7 +71,7 @@ def demo(args: argparse.Namespace) -> int:
     if speedup is not None:
         print(
             f"replay equals eager: {'yes' if bcg.correct else 'NO'}; bcg speed-up over eager "
-            f"{speedup:.2f}x (1 / its x eager) with {bcg.segments} graph segments"
+            f"{speedup:.2f}x with {bcg.segments} graph segments"
         )
     return 0 if bcg.correct else 1
 
