@@ -156,8 +156,8 @@ class DivergenceReport:
                 "cannot be judged. Either the step is nondeterministic (atomics, other "
                 "randomness: pass atol/rtol, or enable torch.use_deterministic_algorithms(True)), "
                 "or it advances tensor state that it reads (a cache position, a counter kept in "
-                "a tensor): give each input set as a zero-argument callable that puts that state "
-                "back before every run"
+                "a tensor): give each input set to check_divergence as a zero-argument callable "
+                "that puts that state back before every run (a runner's check_divergence cannot)"
             )
         elif self.cause is not None:
             why, fix = _CAUSES[self.cause]
