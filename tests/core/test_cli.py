@@ -54,9 +54,82 @@ def test_check_names_the_host_sync_and_line(
     assert "@eager_on_graph" in out
 
 
-def test_check_rejects_malformed_target() -> None:
-    with pytest.raises(SystemExit, match="MODULE:CALLABLE"):
-        main(["check", "no_colon_here"])
+def test_check_rejects_malformed_target(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "no_colon_here"]) == 2
+    assert "bcg check: expected FILE.py:FUNCTION or MODULE:FUNCTION" in capsys.readouterr().err
+
+
+SHADOW = """
+import torch
+
+x = torch.randn(8)
+
+def random():
+    if x.sum().item() > 1e9:  # a host sync at line 7
+        return x * 0
+    return x * 2
+"""
+
+
+def test_check_loads_a_file_by_path_not_by_its_stem(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "shadow" / "random.py"  # the stem names a standard-library module
+    path.parent.mkdir()
+    path.write_text(SHADOW)
+    assert main(["check", f"{path}:random"]) == 1
+    out = capsys.readouterr().out
+    assert "_local_scalar_dense" in out and "random.py:7" in out
+
+
+BUILDER = """
+import torch
+
+def make_check():
+    return (lambda x: x * 2), [torch.ones(2), torch.zeros(2)]
+
+def needs_args(x):
+    return x
+
+not_a_function = 3
+"""
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], *words: str) -> None:
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bcg check: "), captured.err
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    ("target", "flags", "words"),
+    [
+        ("missing.py:f", [], ["no file", "missing.py"]),
+        ("{path}:nope", [], ["defines no 'nope'"]),
+        ("{path}:not_a_function", [], ["is not callable"]),
+        ("{path}:needs_args", [], ["must take no arguments"]),
+        ("{path}:make_check", [], ["add --divergence"]),
+        ("{path}:needs_args", ["--divergence"], ["must take no arguments"]),
+        ("no_such_module_xyz:f", [], ["no module 'no_such_module_xyz'"]),
+    ],
+)
+def test_check_bad_targets_get_one_line_and_exit_code_2(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    target: str,
+    flags: list[str],
+    words: list[str],
+) -> None:
+    path = tmp_path / "builder.py"
+    path.write_text(BUILDER)
+    target = target.format(path=path) if "{path}" in target else str(tmp_path / target)
+    if target.startswith(str(tmp_path / "no_such")):
+        target = target.removeprefix(f"{tmp_path}/")
+    assert main(["check", target, *flags]) == 2
+    _one_line_error(capsys, *words)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path of bench --smoke")

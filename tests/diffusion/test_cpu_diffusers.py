@@ -102,13 +102,15 @@ def _randn(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
 
 
-def wan_model() -> tuple[nn.Module, Step, torch.Tensor]:
+def wan_model(
+    device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, Step, torch.Tensor]:
     """Wan 2.1, 2 blocks (video latents): dispatch function, self and cross attention."""
     model = diffusers.WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
         out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32,
-    ).eval()  # fmt: skip
-    text = _randn(1, 8, 32)
+    ).to(device, dtype).eval()  # fmt: skip
+    text = _randn(1, 8, 32).to(device, dtype)
 
     def step(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = model(
@@ -116,7 +118,7 @@ def wan_model() -> tuple[nn.Module, Step, torch.Tensor]:
         )[0]
         return out
 
-    return model, step, _randn(1, 4, 2, 8, 8)
+    return model, step, _randn(1, 4, 2, 8, 8).to(device, dtype)
 
 
 def pixart_model() -> tuple[nn.Module, Step, torch.Tensor]:

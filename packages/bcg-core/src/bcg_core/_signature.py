@@ -195,6 +195,13 @@ def _describe(leaf: Any) -> str:
     return f"{leaf[1]} object #{leaf[2]:x}"
 
 
+def describe_signature(sig: Signature) -> str:
+    """A signature in words: each argument's path and what it is (``args[0]: tensor[2, 8]
+    torch.float32 on cpu, kwargs['t']: 3``); ``no arguments`` for an empty call."""
+    fields = [f"{path}: {_describe(key)}" for path, key in flatten_signature(sig).items()]
+    return ", ".join(fields) if fields else "no arguments"
+
+
 def describe_difference(sig: Signature, others: list[Signature]) -> str:
     """Which fields of ``sig`` differ from the closest of ``others``, in words.
 

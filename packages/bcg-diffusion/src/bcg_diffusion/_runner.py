@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
-from bcg_core import BreakableGraphRunner
+from bcg_core import BreakableGraphRunner, DivergenceReport
 from bcg_diffusion._attention import patch_attention_classes
 from bcg_diffusion._patching import PatchHandle
 from bcg_diffusion._tokens import replay_token_scope
@@ -24,6 +25,11 @@ class DiTRunner(BreakableGraphRunner):
       diffusers transformer (projections stay captured); the runner owns the handle;
     - ``attention_classes=(MyAttention,)``: each class's ``forward`` (or a processor class's
       ``__call__``) is one break.
+
+    An output-format flag is not part of a graph's signature: ``return_dict``, when the model
+    takes it, is left to the model's default (diffusers: ``True``) at capture and at every
+    call, and a call asking ``return_dict=False`` gets ``output.to_tuple()`` of the same
+    output. So ``capture(...)`` and ``runner(..., return_dict=False)`` replay one graph.
 
     Typical use::
 
@@ -74,6 +80,55 @@ class DiTRunner(BreakableGraphRunner):
         if breakable_attention is not None:
             patches.append(breakable_attention)
         self._patches: list[PatchHandle] = patches
+        self._return_dict_default = _return_dict_default(model)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model through the graph captured for this call's signature.
+
+        As :meth:`bcg_core.BreakableGraphRunner.__call__`, except that ``return_dict`` is left
+        out of the signature: ``return_dict=False`` on a model that returns a dict gets the
+        dict's ``to_tuple()``, so a capture and a call that differ only there replay one graph.
+
+        Args:
+            *args: the model's positional arguments.
+            **kwargs: the model's keyword arguments (``return_dict`` included).
+
+        Returns:
+            The model's output (a replay's, or an eager run's on a miss).
+        """
+        as_tuple = self._pop_format(kwargs)
+        out = super().__call__(*args, **kwargs)
+        return out.to_tuple() if as_tuple else out
+
+    def check_divergence(self, *args: Any, **kwargs: Any) -> DivergenceReport:
+        """Compare eager and replay for this call, as the base runner's check does.
+
+        ``return_dict`` is dropped from the call first, as in :meth:`__call__`.
+
+        Args:
+            *args: the model's positional arguments.
+            **kwargs: the model's keyword arguments.
+
+        Returns:
+            The :class:`bcg_core.DivergenceReport`.
+        """
+        self._pop_format(kwargs)
+        return super().check_divergence(*args, **kwargs)
+
+    def _pop_format(self, kwargs: dict[str, Any]) -> bool:
+        """Drop ``return_dict`` from a call's keywords (the model's default then applies);
+        True when the caller asked for the tuple form of a dict-returning model."""
+        default = self._return_dict_default
+        if default is None or "return_dict" not in kwargs:
+            return False
+        wanted = kwargs["return_dict"]
+        if wanted == default:
+            del kwargs["return_dict"]
+            return False
+        if default is True and wanted is False:
+            del kwargs["return_dict"]
+            return True
+        return False  # another value: passed on, and part of the signature
 
     def close(self) -> None:
         """Drop all graphs and release this runner's attention patches (idempotent).
@@ -84,3 +139,15 @@ class DiTRunner(BreakableGraphRunner):
         patches, self._patches = self._patches, []
         for patch in patches:
             patch.remove()
+
+
+def _return_dict_default(model: Callable[..., Any]) -> Any:
+    """The default of the model's ``return_dict`` parameter (None when it has none)."""
+    try:
+        parameters = inspect.signature(getattr(model, "forward", model)).parameters
+    except (TypeError, ValueError):
+        return None
+    param = parameters.get("return_dict")
+    if param is None or param.default is inspect.Parameter.empty:
+        return None
+    return param.default

@@ -86,14 +86,18 @@ class CudaBackend:
         if not torch.cuda.is_available():
             raise CaptureError(
                 "breakable CUDA graph capture needs a CUDA device, but torch.cuda.is_available() "
-                f"is False (torch {torch.__version__}). Run the model eagerly on this machine "
-                "(skip the capture block, or set BCG_DISABLE=1), or install a CUDA build of torch."
+                f"is False (torch {torch.__version__}). Without a GPU, the CPU graph backend "
+                "captures and replays CPU tensors under CUDA's capture rules: "
+                'BreakableCUDAGraph(backend="cpu"), BreakableGraphRunner(device="cpu"). '
+                "Otherwise run the model eagerly on this machine (skip the capture block, or set "
+                "BCG_DISABLE=1), or install a CUDA build of torch."
             )
 
     def new_segment(self) -> CudaSegment:
         return CudaSegment()
 
     def new_pool(self) -> CudaPool:
+        self.check_available()  # else torch's "dummy base class _graph_pool_handle" error
         return CudaPool()
 
     def new_stream(self, device: Any = None) -> torch.cuda.Stream:

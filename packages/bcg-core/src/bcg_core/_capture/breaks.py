@@ -67,6 +67,13 @@ def observe_breaks(observer: BreakObserver | None) -> Iterator[None]:
             _observing -= 1
 
 
+def breaks_observed() -> bool:
+    """Whether an observer (the divergence check's eager run) sees this context's break calls:
+    adapters whose eager path skips their break (transformers' sdpa kernel op) take the break
+    path then, so eager makes the break calls a replay makes."""
+    return bool(_observing) and _OBSERVER.get() is not None
+
+
 @overload
 def eager_on_graph(fn: F, /) -> F: ...
 

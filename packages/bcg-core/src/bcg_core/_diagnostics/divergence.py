@@ -9,7 +9,8 @@ How the two runs are observed: the eager run goes through the break decorator, w
 enabled break call to the observer set by ``_breaks.observe_breaks`` (one global read per break
 call when no check runs); the replay is an instrumented walk over the graph's steps (the
 ordinary ``replay()`` is untouched). Both record, per break call, its arguments after it ran
-and the output that the code after it sees, plus the step's output; tensors are cloned.
+and the output that the code after it sees, plus the step's output and its arguments as the
+step leaves them (a step may write its result into an argument); tensors are cloned.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ from bcg_core._backends import (
 from bcg_core._capture.breaks import observe_breaks
 from bcg_core._capture.capture import BreakableCUDAGraphCapture
 from bcg_core._capture.context import active_capture
-from bcg_core._capture.flag import enable_breakable_cuda_graph
+from bcg_core._capture.flag import enable_breakable_cuda_graph, flag_on, flag_reset
 from bcg_core._capture.graph import BreakableCUDAGraph, BreakStep, SegmentStep
 from bcg_core._compare import bitwise_equal
 from bcg_core._diagnostics.divergence_report import Cause, DivergenceReport, Status, TensorDiff
+from bcg_core._diagnostics.step_state import StepStateWatch
 from bcg_core._errors import CaptureError
 from bcg_core._signature import (
     Signature,
@@ -71,15 +73,34 @@ class _BreakCall:
 class _Run:
     calls: list[_BreakCall]
     output: _Values
+    written: _Values  # the step's own arguments once it returned
+    compared: bool = True  # False: no break call, no tensor returned, no argument written
 
 
 @dataclass(frozen=True)
 class _Finding:
     call: int  # index of the break call where it was seen; len(calls) for the step's output
-    part: str  # "arguments", "outputs", "sequence" or "output"
+    part: str  # "arguments", "outputs", "sequence", "output" or "written"
     name: str | None
     diffs: tuple[TensorDiff, ...]
     cause: Cause
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Position in execution order: a break's arguments before its outputs, the step's
+        output before the arguments it leaves written."""
+        return self.call, 1 if self.part in ("outputs", "written") else 0
+
+    def where(self) -> str:
+        if self.part == "output":
+            return "the step's output"
+        if self.part == "written":
+            return "the arguments the step wrote"
+        return f"the {self.part} of break {self.name!r} (call {self.call + 1})"
+
+
+_EAGER_VS_REPLAY = ("eager", "replay")
+_EAGER_VS_EAGER = ("run 1", "run 2")
 
 
 def check_divergence(
@@ -125,10 +146,17 @@ def check_divergence(
     ``backend``: "cpu" or "cuda"; None picks "cuda" when an input tensor is on a CUDA device.
     ``fn`` runs once to warm up and once under capture with set 0, then three times per other
     set (eager, eager, replay), all with the breakable-graph flag on: it must be repeatable
-    (writing this step's cache slot is; incrementing a counter is not). Cost: memory for one
-    clone of every break call's arguments and outputs per run. Errors: :class:`TypeError` or
-    :class:`ValueError` for bad arguments; a failed capture raises as in
-    :class:`BreakableCUDAGraphCapture`; the graph is always released.
+    (writing this step's cache slot is; incrementing a counter is not: Python attributes of
+    the modules it calls and private generators that one eager run changes are reported as
+    ``"stateful"``, naming them; tensor state such as a cache position is put back by a
+    callable input set). The step's tensor arguments are compared too, as it leaves them, so a
+    result written into an argument is checked. Cost: memory for one clone of every break
+    call's arguments and outputs, and of the step's arguments, per run. Errors:
+    :class:`TypeError` or :class:`ValueError` for bad arguments, and :class:`ValueError` when
+    there is nothing to compare (no break call, no tensor returned, no argument written); a
+    failed capture raises as in :class:`BreakableCUDAGraphCapture`; an exception from ``fn``
+    carries a note saying in which run it was raised (the warm-up, the capture, an eager run
+    or the replay, and of which input set); the graph is always released.
 
     Args:
         fn: the callable to check; it must be repeatable (see above).
@@ -142,13 +170,14 @@ def check_divergence(
 
     Returns:
         A :class:`DivergenceReport`: ``status="ok"`` when every set matched, else the first
-        set, segment and tensors that differed (or ``"nondeterministic"``).
+        set, segment and tensors that differed (or ``"nondeterministic"``, or ``"stateful"``).
 
     Raises:
         TypeError: ``fn`` is not callable.
         ValueError: negative ``atol`` or ``rtol``, fewer than two input sets, an unknown
-            ``backend``, or an input set whose structure, shapes, dtypes or devices differ from
-            set 0's.
+            ``backend``, an input set whose structure, shapes, dtypes or devices differ from
+            set 0's, or nothing to compare (no break call, no tensor returned, no argument
+            written).
         CaptureError: called inside a breakable capture, or the capture fails as in
             :class:`BreakableCUDAGraphCapture`.
     """
@@ -186,7 +215,8 @@ def check_divergence(
 
             def loader(entry: InputSet, i: int) -> Callable[[], Call]:
                 def load() -> Call:
-                    call = _resolve(entry)
+                    with _phase(f"loading input set {i}"):
+                        call = _resolve(entry)
                     live = _check_same_shapes(sig0, call, i)
                     copy_unless_same(statics, live)
                     fill = iter(statics)
@@ -226,24 +256,59 @@ def compare_eager_and_replay(
     :func:`check_divergence` does."""
     if not graph.is_captured:
         raise ValueError("the graph holds no capture; capture it before checking divergence")
-    first = _eager(fn, load(), seed)
-    second = _eager(fn, load(), seed)
-    load()
-    replayed = _replay(graph, output, seed, replay_context)
     ok = DivergenceReport("ok", graph.backend, input_sets, graph.num_segments, graph.num_breaks)
-    found = _first_difference(first, second, atol, rtol)
+    watch = StepStateWatch(fn)
+    with watch.watching():
+        first = _eager(fn, load(), seed, f"eager run 1 of input set {input_set}")
+    changes = watch.changes()
+    if changes:
+        generator = any(c.kind == "generator" for c in changes)
+        diffs = tuple(
+            TensorDiff(c.where, None, None, "a private generator, advanced by the step")
+            if c.kind == "generator"
+            else TensorDiff(c.where, None, None, f"{c.before} before, {c.after} after")
+            for c in changes
+        )
+        return dataclasses.replace(
+            ok,
+            status="stateful",
+            input_set=input_set,
+            observed_at=", ".join(c.where for c in changes),
+            cause="private_generator" if generator else "step_attribute",
+            diffs=diffs,
+        )
+    if not first.compared:
+        raise ValueError(
+            "check_divergence has nothing to compare: the step made no break call, returned no "
+            "tensor and wrote none of its tensor arguments, so eager and replay would be equal "
+            "whatever the graph does. Return the tensors the step computes (or write them into "
+            "an argument)"
+        )
+    second = _eager(fn, load(), seed, f"eager run 2 of input set {input_set}")
+    static = load()
+    with _phase(f"the replay of input set {input_set}"):
+        replayed = _replay(graph, output, static, seed, replay_context)
+    found = _first_difference(first, second, atol, rtol, _EAGER_VS_EAGER)
     status: Status = "nondeterministic"
     if found is None:
-        found = _first_difference(first, replayed, atol, rtol)
+        found = _first_difference(first, replayed, atol, rtol, _EAGER_VS_REPLAY)
         status = "diverged"
     if found is None:
         return ok
+    where = found.where()
+    if status == "diverged" and (atol or rtol):
+        # Blame where the replay first differs at all, not where the difference has grown
+        # past the tolerance (a break can amplify it), unless eager differs from itself there.
+        origin = _first_difference(first, replayed, 0.0, 0.0, _EAGER_VS_REPLAY)
+        noise = _first_difference(first, second, 0.0, 0.0, _EAGER_VS_EAGER)
+        if (
+            origin is not None
+            and origin.order < found.order
+            and (noise is None or noise.order > origin.order)
+        ):
+            where = f"{origin.where()} (within atol/rtol there; beyond them at {where})"
+            found = origin
     segment, before, after = _blame(found, list(graph.break_names))
-    where = (
-        "the step's output"
-        if found.part == "output"
-        else f"the {found.part} of break {found.name!r} (call {found.call + 1})"
-    )
     return dataclasses.replace(
         ok,
         status=status,
@@ -269,10 +334,15 @@ def _capture(
     backend = backend_for(graph.backend)
     side = backend.new_stream()
     side.wait_stream(backend.current_stream())
-    with backend.stream_context(side), enable_breakable_cuda_graph():
-        fn(*args, **kw)
+    with backend.stream_context(side), _phase("the warm-up (an eager run) of input set 0"):
+        token = flag_on()  # an eager run: no capture-failure hint if it raises
+        try:
+            fn(*args, **kw)
+        finally:
+            flag_reset(token)
     backend.current_stream().wait_stream(side)
     with (
+        _phase("the capture of input set 0"),
         backend.stream_context(side),
         record_source_locations(),
         enable_breakable_cuda_graph(),
@@ -285,7 +355,27 @@ def _capture(
     return output
 
 
-def _eager(fn: Callable[..., Any], call: Call, seed: int) -> _Run:
+@contextlib.contextmanager
+def _phase(what: str) -> Iterator[None]:
+    """Say in which run of the check an exception was raised."""
+    try:
+        yield
+    except Exception as exc:
+        exc.add_note(f"bcg divergence check: raised in {what}")
+        raise
+
+
+def _versions(call: Call) -> list[int | None]:
+    versions: list[int | None] = []
+    for t in _trees.tensor_leaves(call):
+        try:
+            versions.append(t._version)
+        except RuntimeError:  # an inference tensor keeps no version: count it as written
+            versions.append(None)
+    return versions
+
+
+def _eager(fn: Callable[..., Any], call: Call, seed: int, what: str) -> _Run:
     """Run ``fn`` eagerly, recording each break call's arguments *after* it ran and its output.
 
     After, not before: a break's arguments often include state that it updates (a KV cache),
@@ -301,19 +391,29 @@ def _eager(fn: Callable[..., Any], call: Call, seed: int) -> _Run:
         calls.append(_BreakCall(name, _freeze((args, kwargs)), _freeze(out)))
         return out
 
+    before = _versions(call)
     torch.manual_seed(seed)
-    with observe_breaks(observe), enable_breakable_cuda_graph():
-        out = fn(*call[0], **call[1])
-    return _Run(calls, _freeze(out))
+    with _phase(what), observe_breaks(observe):
+        token = flag_on()  # an eager run: no capture-failure hint if it raises
+        try:
+            out = fn(*call[0], **call[1])
+        finally:
+            flag_reset(token)
+    output = _freeze(out)
+    wrote = any(v is None or v != w for v, w in zip(before, _versions(call), strict=True))
+    compared = bool(calls) or wrote or any(isinstance(x, torch.Tensor) for x in output.leaves)
+    return _Run(calls, output, _freeze(call), compared)
 
 
 def _replay(
     graph: BreakableCUDAGraph,
     output: Any,
+    call: Call,
     seed: int,
     replay_context: Callable[[], AbstractContextManager[Any]] | None,
 ) -> _Run:
-    """``graph.replay()`` step by step, recording each break call as :func:`_eager` does."""
+    """``graph.replay()`` step by step, recording each break call as :func:`_eager` does;
+    ``call`` is the static call, whose arguments the replay leaves written."""
     calls: list[_BreakCall] = []
     torch.manual_seed(seed)
     with replay_context() if replay_context is not None else contextlib.nullcontext():
@@ -324,7 +424,7 @@ def _replay(
             step.run()
             arguments = _freeze((step.args, step.kwargs))
             calls.append(_BreakCall(step.name, arguments, _freeze(step.bridge.output)))
-    return _Run(calls, _freeze(output))
+    return _Run(calls, _freeze(output), _freeze(call))
 
 
 # -- comparing -----------------------------------------------------------------------------------
@@ -335,19 +435,24 @@ def _freeze(obj: Any) -> _Values:
     return _Values([x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves], spec)
 
 
-def _first_difference(a: _Run, b: _Run, atol: float, rtol: float) -> _Finding | None:
+def _first_difference(
+    a: _Run, b: _Run, atol: float, rtol: float, labels: tuple[str, str]
+) -> _Finding | None:
+    """The first value, in execution order, where runs ``a`` and ``b`` differ (``labels``
+    name them in the diffs' text)."""
+    la, lb = labels
     for j, (x, y) in enumerate(zip(a.calls, b.calls, strict=False)):
         if x.name != y.name:
             diff = TensorDiff(
-                f"break call {j + 1}", None, None, f"eager called {x.name!r}, replay {y.name!r}"
+                f"break call {j + 1}", None, None, f"{la} called {x.name!r}, {lb} {y.name!r}"
             )
             return _Finding(j, "sequence", x.name, (diff,), "break_sequence")
-        diffs = _compare(x.arguments, y.arguments, atol, rtol, call_paths=True)
+        diffs = _compare(x.arguments, y.arguments, atol, rtol, labels, call_paths=True)
         if diffs:
             frozen = any(d.shape is None for d in diffs)
             cause: Cause = "frozen_break_argument" if frozen else "baked_in_segment"
             return _Finding(j, "arguments", x.name, diffs, cause)
-        diffs = _compare(x.outputs, y.outputs, atol, rtol)
+        diffs = _compare(x.outputs, y.outputs, atol, rtol, labels)
         if diffs:
             frozen = any(d.shape is None for d in diffs)
             return _Finding(
@@ -357,13 +462,16 @@ def _first_difference(a: _Run, b: _Run, atol: float, rtol: float) -> _Finding | 
         j = min(len(a.calls), len(b.calls))
         diff = TensorDiff(
             "break calls", None, None,
-            f"eager made {len(a.calls)} break calls, replay {len(b.calls)}",
+            f"{la} made {len(a.calls)} break calls, {lb} {len(b.calls)}",
         )  # fmt: skip
         name = a.calls[j].name if j < len(a.calls) else b.calls[j].name
         return _Finding(j, "sequence", name, (diff,), "break_sequence")
-    diffs = _compare(a.output, b.output, atol, rtol)
+    diffs = _compare(a.output, b.output, atol, rtol, labels)
     if diffs:
         return _Finding(len(a.calls), "output", None, diffs, "baked_in_segment")
+    diffs = _compare(a.written, b.written, atol, rtol, labels, call_paths=True)
+    if diffs:
+        return _Finding(len(a.calls), "written", None, diffs, "baked_in_segment")
     return None
 
 
@@ -382,7 +490,12 @@ def _blame(found: _Finding, names: list[str]) -> tuple[int | None, str | None, s
 
 
 def _compare(
-    a: _Values, b: _Values, atol: float, rtol: float, call_paths: bool = False
+    a: _Values,
+    b: _Values,
+    atol: float,
+    rtol: float,
+    labels: tuple[str, str],
+    call_paths: bool = False,
 ) -> tuple[TensorDiff, ...]:
     root = "" if call_paths else "output"
     paths = [_call_path(p) if call_paths else p for p in _trees.key_paths(a.spec, root)]
@@ -390,14 +503,14 @@ def _compare(
         if not _trees.same_up_to_key_order(b.spec, a.spec):
             where = str(_trees.difference(b.spec, a.spec, root=root))
             where = _call_path(where) if call_paths else where
-            return (TensorDiff("structure", None, None, f"at replay {where} in eager"),)
+            return (TensorDiff("structure", None, None, f"at {labels[1]} {where} in {labels[0]}"),)
         by_path = dict(zip(_trees.key_paths(b.spec, root), b.leaves, strict=True))
         other = [by_path[p] for p in _trees.key_paths(a.spec, root)]
     else:
         other = b.leaves
     diffs = []
     for path, x, y in zip(paths, a.leaves, other, strict=True):
-        diff = _leaf_diff(path, x, y, atol, rtol)
+        diff = _leaf_diff(path, x, y, atol, rtol, labels)
         if diff is not None:
             diffs.append(diff)
     return tuple(diffs)
@@ -408,23 +521,25 @@ def _call_path(path: str) -> str:
     return ("args" if path.startswith("[0]") else "kwargs") + path[3:]
 
 
-def _leaf_diff(path: str, x: Any, y: Any, atol: float, rtol: float) -> TensorDiff | None:
+def _leaf_diff(
+    path: str, x: Any, y: Any, atol: float, rtol: float, labels: tuple[str, str]
+) -> TensorDiff | None:
+    la, lb = labels
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
         shape = tuple(x.shape)
         if x.shape != y.shape or x.dtype != y.dtype:
-            what = f"eager {list(x.shape)} {x.dtype}, replay {list(y.shape)} {y.dtype}"
+            what = f"{la} {list(x.shape)} {x.dtype}, {lb} {list(y.shape)} {y.dtype}"
             return TensorDiff(path, shape, None, what)
         worst = _tensor_diff(x, y.to(x.device), atol, rtol)
         if worst is None:
             return None
-        return TensorDiff(path, shape, worst, f"max |eager - replay| = {worst:.4g}")
+        return TensorDiff(path, shape, worst, f"max |{la} - {lb}| = {worst:.4g}")
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-        return TensorDiff(path, None, None, f"eager {_short(x)}, replay {_short(y)}")
+        return TensorDiff(path, None, None, f"{la} {_short(x)}, {lb} {_short(y)}")
     if _same_value(x, y):
         return None
-    return TensorDiff(
-        path, None, None, f"eager {_short(x)}, replay {_short(y)} (frozen at capture)"
-    )
+    frozen = " (frozen at capture)" if lb == "replay" else ""
+    return TensorDiff(path, None, None, f"{la} {_short(x)}, {lb} {_short(y)}{frozen}")
 
 
 def _same_value(x: Any, y: Any) -> bool:

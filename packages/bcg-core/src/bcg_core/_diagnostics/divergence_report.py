@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Status = Literal["ok", "diverged", "nondeterministic"]
+Status = Literal["ok", "diverged", "nondeterministic", "stateful"]
 
 Cause = Literal[
     "baked_in_segment",
@@ -13,6 +13,8 @@ Cause = Literal[
     "frozen_break_output",
     "break_sequence",
     "break_itself",
+    "step_attribute",
+    "private_generator",
 ]
 
 _CAUSES: dict[str, tuple[str, str]] = {
@@ -48,6 +50,19 @@ _CAUSES: dict[str, tuple[str, str]] = {
         "among its arguments, or it is nondeterministic",
         "pass that state to the break as an argument",
     ),
+    "step_attribute": (
+        "the step changes a Python attribute of a module it calls (a counter such as "
+        "self.step += 1): a graph replays the value it saw at capture and never changes it",
+        "keep the value in a tensor updated in place (a buffer: self.step.add_(1)), or pass it "
+        "to the step as an argument (a tensor, or the runner's as_tensor= for a Python number)",
+    ),
+    "private_generator": (
+        "the step draws from a private torch.Generator: torch.manual_seed does not reseed it, so "
+        "every run draws other numbers, and a CUDA graph replays only the generators it was "
+        "told about",
+        "draw from the default generator (seeded by torch.manual_seed), or reseed the private "
+        "generator at the start of the step from a seed the caller controls",
+    ),
 }
 
 _SHOWN = 8
@@ -81,9 +96,11 @@ class DivergenceReport:
 
     Attributes:
         status: ``"ok"`` (replay equals eager for every input set, break by break),
-            ``"diverged"`` (the first difference is described by the fields below) or
+            ``"diverged"`` (the first difference is described by the fields below),
             ``"nondeterministic"`` (two eager runs from the same seed already differ there, so
-            no divergence can be judged; use a tolerance or deterministic algorithms).
+            no divergence can be judged) or ``"stateful"`` (one eager run changed state the step
+            keeps in itself: ``diffs`` name each Python attribute or private generator,
+            ``cause`` says which kind). ``ok`` is ``status == "ok"``.
         backend: the graph backend the check ran on, ``"cuda"`` or ``"cpu"``.
         input_sets: how many input sets were given.
         segments: graph segments of the captured graph.
@@ -130,10 +147,15 @@ class DivergenceReport:
         if self.status == "ok":
             return f"{head}: ok, replay equals eager at every break and at the output"
         lines = [f"{head}: {_VERDICT[self.status]}"]
-        lines.append(f"  input set {self.input_set} (set 0 was captured), at {self.observed_at}")
+        if self.status == "stateful":
+            lines.append(f"  input set {self.input_set}: one eager run changed {self.observed_at}")
+        else:
+            lines.append(
+                f"  input set {self.input_set} (set 0 was captured), at {self.observed_at}"
+            )
         if self.status == "diverged":
             lines.append(f"  {self._where()}")
-        lines.append("  values that differ (eager vs replay):" if self.diffs else "")
+        lines.append(f"  {_HEADING[self.status]}:" if self.diffs else "")
         for d in self.diffs[:_SHOWN]:
             shape = "" if d.shape is None else f" shape {tuple(d.shape)}"
             lines.append(f"    {d.path}{shape}: {d.detail}")
@@ -146,8 +168,12 @@ class DivergenceReport:
                 lines.append(f"    ... and {len(self.source_lines) - _SHOWN * 2} more")
         if self.status == "nondeterministic":
             lines.append(
-                "  eager itself is not reproducible from a fixed seed here, so replay cannot be "
-                "judged: pass atol/rtol, or enable torch.use_deterministic_algorithms(True)"
+                "  two eager runs of the same inputs from the same seed differ here, so replay "
+                "cannot be judged. Either the step is nondeterministic (atomics, other "
+                "randomness: pass atol/rtol, or enable torch.use_deterministic_algorithms(True)), "
+                "or it advances tensor state that it reads (a cache position, a counter kept in "
+                "a tensor): give each input set to check_divergence as a zero-argument callable "
+                "that puts that state back before every run (a runner's check_divergence cannot)"
             )
         elif self.cause is not None:
             why, fix = _CAUSES[self.cause]
@@ -174,4 +200,10 @@ class DivergenceReport:
 _VERDICT = {
     "diverged": "REPLAY DIFFERS FROM EAGER",
     "nondeterministic": "EAGER IS NOT REPRODUCIBLE",
+    "stateful": "THE STEP CHANGES ITS OWN STATE",
+}
+_HEADING = {
+    "diverged": "values that differ (eager vs replay)",
+    "nondeterministic": "values that differ (eager run 1 vs eager run 2)",
+    "stateful": "state changed by the step (before and after one eager run)",
 }

@@ -26,7 +26,7 @@ import torch
 import torch.utils._python_dispatch
 from torch.overrides import TorchFunctionMode
 
-from bcg_core._capture.breaks import eager_on_graph
+from bcg_core._capture.breaks import breaks_observed, eager_on_graph
 from bcg_core._capture.context import is_breakable_capture_active
 from bcg_core._capture.flag import is_in_breakable_cuda_graph
 from bcg_core._errors import CaptureError
@@ -163,7 +163,7 @@ def _make_breakable(
             _refuse_sliding_window(module, kwargs)
         if not kernel_only:
             return as_break(module, *args, **kwargs)
-        if not capturing:
+        if not capturing and not breaks_observed():
             return function(module, *args, **kwargs)
         with _KernelAsBreak(kernel_break, sdpa_break) as mode:
             out = function(module, *args, **kwargs)

@@ -35,6 +35,7 @@ from bcg_core._runner.scalars import ScalarSlots
 from bcg_core._signature import (
     Signature,
     describe_difference,
+    describe_signature,
     identity_objects,
     signature_and_tensors,
     static_buffer,
@@ -619,7 +620,9 @@ class BreakableGraphRunner:
             if not self._no_cuda_noticed:
                 self._no_cuda_noticed = True
                 logger.warning(
-                    "bcg: no CUDA device is available; %s runs eagerly (no graphs are captured)",
+                    "bcg: no CUDA device is available; %s runs eagerly (no graphs are captured). "
+                    "To capture CPU graphs of CPU tensors without a GPU (CUDA's capture rules), "
+                    'pass device="cpu"',
                     type(self).__name__,
                 )
             return False
@@ -745,9 +748,9 @@ class BreakableGraphRunner:
             return self.module(*call[0], **call[1])
         self._blocked[sig] = f"{type(exc).__name__}: {exc}"
         logger.warning(
-            "bcg: capture failed for signature %s (%s: %s); this signature runs eagerly from "
-            "now on",
-            sig,
+            "bcg: capture failed for the call with %s (%s: %s); this signature runs eagerly "
+            "from now on",
+            describe_signature(sig),
             type(exc).__name__,
             exc,
         )

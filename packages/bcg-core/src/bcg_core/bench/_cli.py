@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
+import importlib.util
+import inspect
 import sys
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,7 +17,13 @@ import torch
 
 from bcg_core import check_capture, check_divergence
 from bcg_core.bench._harness import EAGER, BenchContext, Contender, Measurement
-from bcg_core.bench._report import print_table, progress, write_json, write_plot
+from bcg_core.bench._report import (
+    print_table,
+    progress,
+    speedup_over_eager,
+    write_json,
+    write_plot,
+)
 from bcg_core.bench._toy_decoder import ToyDecoder, tiny_config
 from bcg_core.bench._workloads import (
     bcg_contender,
@@ -57,9 +67,8 @@ def demo(args: argparse.Namespace) -> int:
             results = ctx.compare("demo", "batch=1", contenders)
     print_table(f"bcg demo — {name}", results)
     bcg = next(m for m in results if m.contender == "bcg")
-    eager = next(m for m in results if m.contender == EAGER)
-    if bcg.us_per_step is not None and eager.us_per_step is not None:
-        speedup = eager.us_per_step.median / bcg.us_per_step.median
+    speedup = speedup_over_eager(bcg)
+    if speedup is not None:
         print(
             f"replay equals eager: {'yes' if bcg.correct else 'NO'}; bcg speed-up over eager "
             f"{speedup:.2f}x with {bcg.segments} graph segments"
@@ -102,35 +111,93 @@ def bench(args: argparse.Namespace) -> int:
     return 1 if wrong else 0
 
 
+class _TargetError(Exception):
+    """A ``bcg check`` target that cannot be used: one line for the user, exit code 2."""
+
+
 def _load(target: str) -> Callable[[], Any]:
-    module_name, _, attr = target.partition(":")
-    if not attr:
-        raise SystemExit(f"bcg check: expected MODULE:CALLABLE or FILE.py:CALLABLE, got {target!r}")
-    if module_name.endswith(".py"):
-        path = Path(module_name).resolve()
-        sys.path.insert(0, str(path.parent))
-        module_name = path.stem
-    fn = getattr(importlib.import_module(module_name), attr)
+    """The zero-argument callable ``FILE.py:NAME`` or ``MODULE:NAME`` names. A file is loaded
+    by its path under a module name of its own, never imported by its stem (a file called
+    ``random.py`` must not resolve to the standard library's ``random``)."""
+    source, _, attr = target.partition(":")
+    if not source or not attr:
+        raise _TargetError(f"expected FILE.py:FUNCTION or MODULE:FUNCTION, got {target!r}")
+    if source.endswith(".py"):
+        module = _load_file(Path(source))
+    else:
+        try:
+            module = importlib.import_module(source)
+        except ModuleNotFoundError as exc:
+            raise _TargetError(f"no module {source!r} ({exc}); for a file, give FILE.py") from exc
+    if not hasattr(module, attr):
+        raise _TargetError(f"{source} defines no {attr!r}")
+    fn = getattr(module, attr)
     if not callable(fn):
-        raise SystemExit(f"bcg check: {target} is not callable")
+        raise _TargetError(f"{target} is not callable (a {type(fn).__name__})")
+    try:
+        inspect.signature(fn).bind()
+    except TypeError as exc:
+        raise _TargetError(
+            f"{target} must take no arguments ({exc}); wrap the call in a function that builds "
+            "its inputs"
+        ) from exc
+    except ValueError:
+        pass  # no signature to read (some builtins): let the call say
     return fn  # type: ignore[no-any-return]
+
+
+def _load_file(path: Path) -> types.ModuleType:
+    path = path.resolve()
+    if not path.is_file():
+        raise _TargetError(f"no file {path}")
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    name = f"_bcg_check_{path.stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise _TargetError(f"cannot load {path} as Python source")
+    module = importlib.util.module_from_spec(spec)
+    # As when the file runs as a script: its folder first on sys.path (for its sibling
+    # imports), and the module registered before it runs (dataclasses and pickling look it up).
+    sys.path.insert(0, str(path.parent))
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _is_builder_result(made: Any) -> bool:
+    return isinstance(made, tuple) and len(made) == 2 and callable(made[0])
 
 
 def check(args: argparse.Namespace) -> int:
     """Run a zero-argument callable under CPU capture; report the first host sync or success.
     With ``--divergence`` the callable returns ``(fn, input_sets)`` instead, and the divergence
-    check compares eager and replay of ``fn`` over the sets."""
+    check compares eager and replay of ``fn`` over the sets. A target that cannot be used gets
+    one line on stderr and exit code 2."""
+    try:
+        return _check(args)
+    except _TargetError as exc:
+        print(f"bcg check: {exc}", file=sys.stderr)
+        return 2
+
+
+def _check(args: argparse.Namespace) -> int:
     target = _load(args.target)
     if not args.divergence:
-        report = check_capture(target)
+        made: list[Any] = []
+        report = check_capture(lambda: made.append(target()))
+        if made and _is_builder_result(made[0]):
+            raise _TargetError(
+                f"{args.target} returns (fn, input_sets), a divergence-check builder: add "
+                "--divergence"
+            )
         print(f"{args.target}: {report}")
         return 0 if report.ok else 1
-    made = target()
-    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
-        raise SystemExit(
-            f"bcg check --divergence: {args.target} must return (fn, input_sets), got {made!r}"
+    built = target()
+    if not _is_builder_result(built):
+        raise _TargetError(
+            f"with --divergence, {args.target} must return (fn, input_sets), got {built!r:.80}"
         )
-    fn, sets = made
+    fn, sets = built
     divergence = check_divergence(
         fn, sets, backend=args.backend, atol=args.atol, rtol=args.rtol, seed=args.seed
     )
