@@ -1,0 +1,471 @@
+"""transformers' continuous batching through breakable graphs (transformers 5.17).
+
+transformers' engine (``generate_batch``, ``ContinuousBatchingManager``, ``transformers serve``)
+packs the prefill chunks and decode tokens of many requests into one ragged forward whose
+attention reads the paged KV cache through host-built metadata (read/write indices, a 4D mask
+over the packed keys). Its own CUDA graphs pad the query tokens *and* the KV read length and
+capture one graph per (query bucket, KV bucket) pair. Here the paged attention is the break, so
+one graph per query bucket serves every KV length, and the KV read is never padded: at every
+call, capture or replay, the break rebuilds the attention's arguments from the live batch (the
+engine's ``ContinuousBatchingIOs``) with the batch's true sizes, exactly as the eager engine
+would pass them, and slices the query to the batch's true tokens.
+
+The engine is reached through three methods of ``ModelRunner`` and one of
+``ContinuousBatchingManager`` (which builds the runner), plus the ``paged|sdpa`` and
+``paged|eager`` entries of transformers' ``AttentionInterface``: patched while any handle is
+alive (one reference per handle, under a lock), restored when the last is removed. They act only
+for enabled models; every other model runs transformers' code unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from math import ceil
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from bcg_core._capture.breaks import eager_on_graph
+from bcg_core._capture.flag import is_in_breakable_cuda_graph
+from bcg_core._runner.runner import BreakableGraphRunner
+
+logger = logging.getLogger("bcg_core")
+
+SUPPORTED_TRANSFORMERS = ("5.17",)
+_PAGED = "paged|"
+_ATTENTION = ("paged|sdpa", "paged|eager")
+_EXTRA = 'pip install "bcg-core[transformers]"'
+
+# The engine's IO object of the batch being run through bcg, for the attention wrapper (read at
+# warm-up and capture; a replay runs the break with its capture-time arguments).
+_live_batch: contextvars.ContextVar[Any] = contextvars.ContextVar("bcg_cb_batch", default=None)
+
+
+@dataclass(frozen=True)
+class ContinuousBatchingStats:
+    """What bcg did for an enabled model, over every engine built for it so far.
+
+    ``graphs``: graphs captured (one per query-token bucket); ``graph_bytes``: the largest pool
+    size seen right after a capture (the engines' shared pools; None on the CPU backend);
+    ``replays`` and ``eager_calls`` (batches run eagerly: graphs disabled or a capture failed).
+    """
+
+    graphs: int
+    graph_bytes: int | None
+    replays: int
+    eager_calls: int
+
+
+class ContinuousBatchingHandle:
+    """Returned by :func:`enable_continuous_batching`. :meth:`remove` (or leaving a ``with``
+    block) turns bcg off for the model and releases this handle's reference on the patches;
+    engines built before keep their graphs until they are dropped. Idempotent."""
+
+    def __init__(self, model: Any) -> None:
+        self._model: weakref.ref[Any] | None = weakref.ref(model)
+
+    @property
+    def active(self) -> bool:
+        """Whether this handle still holds its patch reference."""
+        return self._model is not None
+
+    def stats(self) -> ContinuousBatchingStats:
+        """Counters of every engine run for the model (see :class:`ContinuousBatchingStats`)."""
+        model = None if self._model is None else self._model()
+        with _lock:
+            record = _enabled.get(model) if model is not None else None
+            if record is None:
+                return ContinuousBatchingStats(0, None, 0, 0)
+            return ContinuousBatchingStats(
+                record.graphs, record.graph_bytes, record.replays, record.eager_calls
+            )
+
+    def remove(self) -> None:
+        with _lock:
+            ref, self._model = self._model, None
+            if ref is None:
+                return
+            model = ref()
+            record = None if model is None else _enabled.get(model)
+            if record is not None:
+                record.handles -= 1
+                if record.handles == 0:
+                    del _enabled[model]
+            _release_patches()
+
+    def __enter__(self) -> ContinuousBatchingHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"ContinuousBatchingHandle({'active' if self.active else 'removed'})"
+
+
+def enable_continuous_batching(model: Any) -> ContinuousBatchingHandle:
+    """Run ``model``'s continuous batching forward (``model.generate_batch``,
+    ``model.init_continuous_batching()``, ``transformers serve``) through breakable graphs::
+
+        handle = bcg_core.enable_continuous_batching(model)
+        outputs = model.generate_batch(prompts, generation_config=gen)
+        handle.remove()
+
+    The paged attention (``paged|sdpa`` or ``paged|eager``: load the model with
+    ``attn_implementation="sdpa"`` or ``"eager"``; the engine adds ``paged|``) is the break;
+    everything else in the step (embeddings, projections, RoPE, MLPs, the logits and the greedy
+    or sampled token choice) is captured, one graph per query-token bucket. Buckets come from
+    transformers' own ``ContinuousBatchingConfig.q_padding_interval_size`` (its default, 64,
+    when unset); the KV read is never padded, and each batch's attention gets exactly the
+    arguments the eager engine would give it. On CUDA this replaces transformers' own CUDA
+    graphs for the model (``use_cuda_graph`` is ignored); ``device="cpu"`` models capture with
+    bcg's CPU graph backend. Graphs are captured on first use of a bucket (the engine's warm-up,
+    on by default, captures the largest first).
+
+    Args:
+        model: a transformers ``PreTrainedModel`` with full attention (sliding-window layers and
+            the flash paths are refused when the engine starts).
+
+    Returns:
+        A :class:`ContinuousBatchingHandle`; ``remove()`` undoes this call.
+
+    Raises:
+        ImportError: transformers is missing or not a supported version (5.17).
+    """
+    _check_transformers()
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation not in (*_ATTENTION, *(a.removeprefix(_PAGED) for a in _ATTENTION)):
+        raise ValueError(
+            f"bcg_core.enable_continuous_batching: the model's attention is {implementation!r}; "
+            "bcg makes transformers' paged sdpa and eager attention breaks. Load the model with "
+            'attn_implementation="sdpa" (or "eager"), or call model.set_attn_implementation("sdpa")'
+        )
+    with _lock:
+        _acquire_patches()
+        record = _enabled.get(model)
+        if record is None:
+            record = _enabled[model] = _Record()
+        record.handles += 1
+    return ContinuousBatchingHandle(model)
+
+
+def _check_transformers() -> None:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            f"bcg_core.enable_continuous_batching needs transformers: {_EXTRA}"
+        ) from exc
+    version = ".".join(transformers.__version__.split(".")[:2])
+    if version not in SUPPORTED_TRANSFORMERS:
+        raise ImportError(
+            f"bcg_core.enable_continuous_batching patches transformers' continuous batching "
+            f"runner, which it supports for transformers {', '.join(SUPPORTED_TRANSFORMERS)}; "
+            f"found {transformers.__version__}. Install a supported version, or run the engine "
+            "without bcg."
+        )
+
+
+@dataclass
+class _Record:
+    """An enabled model: its handles, and what its engines did (they come and go per
+    ``generate_batch``)."""
+
+    handles: int = 0
+    graphs: int = 0
+    graph_bytes: int | None = None
+    replays: int = 0
+    eager_calls: int = 0
+
+
+# -- patches ------------------------------------------------------------------------------------
+
+_lock = threading.RLock()
+_enabled: weakref.WeakKeyDictionary[Any, _Record] = weakref.WeakKeyDictionary()
+_sessions: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
+_installed: list[_Patch] = []
+_references = 0
+
+
+def _acquire_patches() -> None:
+    global _references
+    if _references == 0:
+        _install()
+    _references += 1
+
+
+def _release_patches() -> None:
+    global _references
+    _references -= 1
+    if _references == 0:
+        _uninstall()
+
+
+@dataclass
+class _Patch:
+    """One replaced value: a class attribute, or an entry of transformers' attention table."""
+
+    target: Any  # a class or a dict
+    name: str
+    original: Any
+    ours: Any
+
+    def current(self) -> Any:
+        table = self.target if isinstance(self.target, dict) else vars(self.target)
+        return table.get(self.name)
+
+    def put(self, value: Any) -> None:
+        if isinstance(self.target, dict):
+            self.target[self.name] = value
+        else:
+            setattr(self.target, self.name, value)
+
+
+def _install() -> None:
+    from transformers.generation.continuous_batching import continuous_api, model_runner
+    from transformers.modeling_utils import AttentionInterface
+
+    runner_cls = model_runner.ModelRunner
+    manager_cls = continuous_api.ContinuousBatchingManager
+    mapping: dict[str, Any] = AttentionInterface._global_mapping
+    wraps: list[tuple[Any, str, Callable[[Any], Any]]] = [
+        (manager_cls, "_create_batch_processor", _wrap_create),
+        (runner_cls, "maybe_pad_inputs", _wrap_pad),
+        (runner_cls, "compute_batch", _wrap_compute),
+    ]
+    wraps += [
+        (mapping, name, functools.partial(_breakable_paged, name=name)) for name in _ATTENTION
+    ]
+    for target, name, wrap in wraps:
+        original = target[name] if isinstance(target, dict) else vars(target)[name]
+        patch = _Patch(target, name, original, wrap(original))
+        patch.put(patch.ours)
+        _installed.append(patch)
+
+
+def _uninstall() -> None:
+    while _installed:
+        patch = _installed.pop()
+        if patch.current() is patch.ours:
+            patch.put(patch.original)
+        else:
+            logger.warning(
+                "bcg: %s was replaced by other code while bcg's continuous batching patch was "
+                "installed; bcg leaves it as it is",
+                patch.name,
+            )
+
+
+def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _create_batch_processor(self: Any) -> Any:
+        if self.model in _enabled and self.continuous_batching_config.use_async_batching:
+            raise ValueError(
+                "bcg continuous batching does not support asynchronous batching (two IO pairs "
+                "swapped per batch); pass ContinuousBatchingConfig(use_async_batching=False)"
+            )
+        processor = original(self)
+        with _lock:
+            record = _enabled.get(self.model)
+            runner = processor.model_runner
+            if record is not None and runner not in _sessions:
+                _sessions[runner] = _Session(runner, self.model, record)
+        enabled = record is not None
+        if enabled:
+            runner.pad_inputs = True  # the engine then prepares query-padded, static-shape batches
+        return processor
+
+    return _create_batch_processor
+
+
+def _wrap_pad(original: Callable[..., Any]) -> Callable[..., Any]:
+    def maybe_pad_inputs(
+        self: Any, num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool
+    ) -> tuple[int, int]:
+        session = _sessions.get(self)
+        if session is None:
+            return original(self, num_q_tokens, max_kv_read, use_decode_fast_path)  # type: ignore[no-any-return]
+        # The query is padded to its bucket (the graph's shape); the KV read keeps its length.
+        return session.bucket(num_q_tokens), max_kv_read
+
+    return maybe_pad_inputs
+
+
+def _wrap_compute(original: Callable[..., Any]) -> Callable[..., Any]:
+    def compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> None:
+        session = _sessions.get(self)
+        if session is None:
+            original(self, model, batch_data)
+            return
+        session.compute(self, model, batch_data)
+
+    return compute_batch
+
+
+# -- one engine -----------------------------------------------------------------------------------
+
+
+class _Session:
+    """bcg's graphs for one engine (one transformers ``ModelRunner``): a runner keyed by the
+    query bucket, sharing one pool."""
+
+    def __init__(self, tf_runner: Any, model: Any, record: _Record) -> None:
+        from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+
+        implementation = model.config._attn_implementation
+        if implementation not in _ATTENTION:
+            raise ValueError(
+                f"bcg continuous batching: the model's attention is {implementation!r}; bcg makes "
+                f"the paged attention a break for {' and '.join(_ATTENTION)} only. Load the model "
+                'with attn_implementation="sdpa" (or "eager"), or remove the bcg handle.'
+            )
+        if not isinstance(tf_runner.inputs_and_outputs, ContinuousBatchingIOs):
+            raise TypeError("bcg continuous batching: asynchronous IO pairs are not supported")
+        self.record = record
+        self.interval = tf_runner.cb_config.q_padding_interval_size
+        self.max_tokens = tf_runner.cache.max_batch_tokens
+        device = torch.device(model.device)
+        buckets = ceil(self.max_tokens / self.interval) if self.interval > 0 else 1
+        self.runner = BreakableGraphRunner(
+            self._step,
+            device="cpu" if device.type == "cpu" else device,
+            max_entries=buckets,
+            # On CUDA one eager run first makes the library handles (cuBLAS) a capture needs.
+            warmup_iters=0 if device.type == "cpu" else 1,
+        )
+        self.captured: set[int] = set()
+        self._call: tuple[Any, ...] | None = None
+
+    def bucket(self, num_q_tokens: int) -> int:
+        if self.interval <= 0:
+            return int(self.max_tokens)
+        padded = ceil(num_q_tokens / self.interval) * self.interval if num_q_tokens > 0 else 1
+        return int(min(max(padded, self.interval), self.max_tokens))
+
+    def compute(self, tf_runner: Any, model: Any, batch_data: dict[str, Any]) -> None:
+        io = tf_runner.inputs_and_outputs
+        if io.use_block_table:  # the flash decode path; refused at start, kept as a guard
+            raise RuntimeError("bcg continuous batching: block-table batches are not supported")
+        if tf_runner.supports_logits_to_keep(model):
+            batch_data["logits_to_keep"] = batch_data["logits_indices"]
+        bucket = int(io.num_q_tokens)
+        self._call = (tf_runner, model, batch_data, io.get_cb_kwargs())
+        token = _live_batch.set(io)
+        stream = io.compute_stream
+        try:
+            with _on_stream(stream):
+                if bucket in self.captured:
+                    self.runner(bucket)
+                    self.record.replays += 1
+                else:
+                    self._capture(bucket)
+        finally:
+            _live_batch.reset(token)
+            self._call = None
+
+    def _capture(self, bucket: int) -> None:
+        before = self.runner.stats.captures
+        self.runner.capture(bucket)
+        stats = self.runner.stats
+        if stats.captures == before:
+            return  # graphs disabled or the capture failed: the batch ran eagerly
+        self.captured.add(bucket)
+        self.record.graphs += 1
+        size = stats.entries[-1].pool_bytes
+        if size is not None:
+            self.record.graph_bytes = max(size, self.record.graph_bytes or 0)
+
+    def _step(self, bucket: int) -> None:
+        assert self._call is not None, "the step runs inside compute() only"
+        tf_runner, model, batch_data, cb_kwargs = self._call
+        if not is_in_breakable_cuda_graph():
+            self.record.eager_calls += 1
+        tf_runner._forward_process_and_sample(model, batch_data, *cb_kwargs)
+
+
+@contextlib.contextmanager
+def _on_stream(stream: Any) -> Iterator[None]:
+    # The engine's compute stream (CUDA; None on CPU), as its own eager path uses it.
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        yield
+
+
+# -- the attention break ------------------------------------------------------------------------
+
+
+def _breakable_paged(function: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``function`` (a paged attention of transformers) that, inside a bcg continuous-batching
+    forward, runs as one ``@eager_on_graph`` break on the live batch's true sizes."""
+
+    def paged_attention_break(
+        module: Any, query: Any, key: Any, value: Any, io: Any, kwargs: dict[str, Any]
+    ) -> Any:
+        tokens = int(io.total_seqlen_q)
+        mask, read_index, write_index = _eager_arguments(io, tokens)
+        out, _ = function(
+            module,
+            query[:, :, :tokens],
+            key[:, :, :tokens],
+            value[:, :, :tokens],
+            mask,
+            cache=io.cache,
+            read_index=read_index,
+            write_index=write_index,
+            **kwargs,
+        )
+        if out.shape[1] == query.shape[2]:
+            return out
+        # The bucket's padded rows: zeros (nothing reads them but the padded logits).
+        padded = out.new_zeros((out.shape[0], query.shape[2], *out.shape[2:]))
+        padded[:, :tokens] = out
+        return padded
+
+    as_break = eager_on_graph(name=f"transformers continuous batching attention ({name})")(
+        paged_attention_break
+    )
+
+    def attention(module: Any, query: Any, key: Any, value: Any, mask: Any, **kwargs: Any) -> Any:
+        io = _live_batch.get()
+        if io is None or not is_in_breakable_cuda_graph():
+            return function(module, query, key, value, mask, **kwargs)
+        for replaced in ("cache", "read_index", "write_index"):
+            kwargs.pop(replaced, None)
+        return as_break(module, query, key, value, io, kwargs), None
+
+    attention.__name__ = attention.__qualname__ = getattr(function, "__name__", "attention")
+    attention.__doc__ = function.__doc__
+    return attention
+
+
+def _eager_arguments(io: Any, tokens: int) -> tuple[Any, list[Any], list[Any]]:
+    """The mask and cache indices the eager engine (no padding) passes for the batch ``io``
+    holds: ``ContinuousBatchingIOs.get_model_kwargs(use_padding=False)`` for ``tokens`` query
+    tokens, read from the same static storage."""
+    groups = range(io.cache.num_groups)
+    write_index = [io.write_index_storage[g, : io.true_write_sizes[g]] for g in groups]
+    read_index = [
+        io.read_index_storage[g, : 0 if io.max_kv_read == 0 else io.true_read_sizes[g]]
+        for g in groups
+    ]
+    if io.attention_mask is None:
+        return None, read_index, write_index
+    masks = {
+        layer: m[..., :tokens, : io.total_seqlen_k[layer]] for layer, m in io.attention_mask.items()
+    }
+    mask: Any = next(iter(masks.values())) if len(masks) == 1 else masks
+    return mask, read_index, write_index

@@ -1,0 +1,150 @@
+"""transformers' continuous batching (``generate_batch``) through bcg on the CPU graph backend:
+a tiny Llama with random weights, several requests of different prompt lengths, greedy. Batches
+mix prefill chunks and decode tokens; bcg's tokens must equal the eager engine's token for token.
+
+The engine sizes its cache from free device memory, which a CPU has none of: the cache gets
+explicit ``num_blocks`` and ``max_batch_tokens``, and only the memory query is stubbed (the
+attention is transformers' own, always).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import bcg_core
+
+transformers = pytest.importorskip(
+    "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
+)
+from transformers.generation.continuous_batching import model_runner  # noqa: E402
+from transformers.generation.continuous_batching.cache import (  # noqa: E402
+    PagedAttentionMemoryHandler,
+)
+from transformers.generation.continuous_batching.input_outputs import (  # noqa: E402
+    ContinuousBatchingIOs,
+)
+from transformers.modeling_utils import AttentionInterface  # noqa: E402
+
+PROMPT_LENGTHS = (5, 17, 9, 30, 3, 12)
+NEW_TOKENS = 10
+
+
+@pytest.fixture(autouse=True)
+def _cpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only the free-memory query: on a CPU it reports 0 bytes, and the cache refuses to exist.
+    monkeypatch.setattr(PagedAttentionMemoryHandler, "get_available_memory", lambda self: 1 << 30)
+
+
+def _model(attention: str = "sdpa") -> Any:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation(attention)
+    return model
+
+
+def _generate(model: Any, interval: int = 8, max_batch_tokens: int = 32) -> dict[str, list[int]]:
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    gen = transformers.GenerationConfig(
+        max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    cb = transformers.ContinuousBatchingConfig(
+        num_blocks=32, block_size=16, max_batch_tokens=max_batch_tokens,
+        q_padding_interval_size=interval, use_async_batching=False,
+    )  # fmt: skip
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+    return {rid: list(o.generated_tokens) for rid, o in out.items()}
+
+
+class _Batches:
+    """Records each batch the engine prepares (an observer: calls through unchanged)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.seen: list[tuple[int, int, int]] = []  # (query bucket, true queries, keys read)
+        original = ContinuousBatchingIOs.prepare_batch_tensors
+
+        def prepare(io: Any, *args: Any, **kwargs: Any) -> None:
+            original(io, *args, **kwargs)
+            self.seen.append(
+                (io.num_q_tokens, io.total_seqlen_q, int(sum(io.total_seqlen_k.values())))
+            )
+
+        monkeypatch.setattr(ContinuousBatchingIOs, "prepare_batch_tensors", prepare)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_mixed_batches_equal_eager_token_for_token(
+    attention: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model(attention)
+    eager = _generate(model)
+    batches = _Batches(monkeypatch)
+    with bcg_core.enable_continuous_batching(model) as handle:
+        graphed = _generate(model)
+        stats = handle.stats()
+    assert graphed == eager
+    assert len(eager) == len(PROMPT_LENGTHS)
+    assert all(len(tokens) == NEW_TOKENS for tokens in eager.values())
+    # Prefill chunks and decode tokens shared batches: some batch had more queries than requests
+    # and fewer than the prompt tokens, and the query buckets took several sizes.
+    buckets = {bucket for bucket, _, _ in batches.seen}
+    assert len(buckets) >= 2
+    # One graph per query bucket, whatever the KV lengths: nothing of the KV is in a graph.
+    assert len({keys for _, _, keys in batches.seen}) > len(buckets)
+    assert stats.graphs == len(buckets)
+    assert stats.replays == len(batches.seen) - stats.graphs
+    assert stats.eager_calls == 0
+    # The engine's warm-up captured the largest bucket first; then each bucket is a multiple of
+    # the interval (or the cap) and holds its batch's true queries.
+    for bucket, queries, _ in batches.seen:
+        assert queries <= bucket and (bucket % 8 == 0 or bucket == 32)
+
+
+def test_remove_restores_transformers() -> None:
+    mapping = AttentionInterface._global_mapping
+    before = (
+        vars(model_runner.ModelRunner)["compute_batch"],
+        vars(model_runner.ModelRunner)["maybe_pad_inputs"],
+        mapping["paged|sdpa"],
+        mapping["paged|eager"],
+    )
+    model = _model()
+    first = bcg_core.enable_continuous_batching(model)
+    second = bcg_core.enable_continuous_batching(model)
+    assert vars(model_runner.ModelRunner)["compute_batch"] is not before[0]
+    first.remove()
+    first.remove()  # idempotent
+    assert mapping["paged|sdpa"] is not before[2]  # the second handle still holds the patch
+    second.remove()
+    after = (
+        vars(model_runner.ModelRunner)["compute_batch"],
+        vars(model_runner.ModelRunner)["maybe_pad_inputs"],
+        mapping["paged|sdpa"],
+        mapping["paged|eager"],
+    )
+    assert after == before
+    assert not second.active
+
+
+def test_other_models_run_transformers_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    enabled, other = _model(), _model()
+    reference = _generate(other)
+    with bcg_core.enable_continuous_batching(enabled) as handle:
+        assert _generate(other) == reference
+        assert handle.stats().graphs == 0
+
+
+def test_unsupported_attention_is_refused_before_anything_changes() -> None:
+    model = _model()
+    model.config._attn_implementation = "flex_attention"
+    compute = vars(model_runner.ModelRunner)["compute_batch"]
+    with pytest.raises(ValueError, match='attn_implementation="sdpa"'):
+        bcg_core.enable_continuous_batching(model)
+    assert vars(model_runner.ModelRunner)["compute_batch"] is compute
