@@ -72,6 +72,7 @@ class Measurement:
     correct: bool | None = None
     ratio_to_full_graph: Stats | None = None
     ratio_to_eager: Stats | None = None
+    figures: dict[str, float] = field(default_factory=dict)  # a workload's own named figures
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
