@@ -21,6 +21,7 @@ transformers = pytest.importorskip(
 )
 from transformers.generation.continuous_batching import model_runner  # noqa: E402
 from transformers.generation.continuous_batching.cache import (  # noqa: E402
+    PagedAttentionCache,
     PagedAttentionMemoryHandler,
 )
 from transformers.generation.continuous_batching.input_outputs import (  # noqa: E402
@@ -38,18 +39,19 @@ def _cpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(PagedAttentionMemoryHandler, "get_available_memory", lambda self: 1 << 30)
 
 
-def _model(attention: str = "sdpa") -> Any:
+def make_model(attention: str = "sdpa", device: str = "cpu") -> Any:
+    """A tiny Llama (random weights, float32) with ``attention`` on ``device``."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
     )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = transformers.LlamaForCausalLM(config).to(device).eval()
     model.set_attn_implementation(attention)
     return model
 
 
-def _generate(model: Any, interval: int = 8, max_batch_tokens: int = 32) -> dict[str, list[int]]:
+def generate(model: Any, interval: int = 8, max_batch_tokens: int = 32) -> dict[str, list[int]]:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     gen = transformers.GenerationConfig(
@@ -57,13 +59,13 @@ def _generate(model: Any, interval: int = 8, max_batch_tokens: int = 32) -> dict
     )
     cb = transformers.ContinuousBatchingConfig(
         num_blocks=32, block_size=16, max_batch_tokens=max_batch_tokens,
-        q_padding_interval_size=interval, use_async_batching=False,
+        q_padding_interval_size=interval, use_async_batching=False, use_cuda_graph=False,
     )  # fmt: skip
     out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
     return {rid: list(o.generated_tokens) for rid, o in out.items()}
 
 
-class _Batches:
+class Batches:
     """Records each batch the engine prepares (an observer: calls through unchanged)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,11 +85,16 @@ class _Batches:
 def test_mixed_batches_equal_eager_token_for_token(
     attention: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = _model(attention)
-    eager = _generate(model)
-    batches = _Batches(monkeypatch)
+    check_against_eager(make_model(attention), monkeypatch)
+
+
+def check_against_eager(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bcg's tokens equal the eager engine's, with one graph per query bucket (none per KV
+    length) and every batch replayed or captured, none run eagerly."""
+    eager = generate(model)
+    batches = Batches(monkeypatch)
     with bcg_core.enable_continuous_batching(model) as handle:
-        graphed = _generate(model)
+        graphed = generate(model)
         stats = handle.stats()
     assert graphed == eager
     assert len(eager) == len(PROMPT_LENGTHS)
@@ -107,6 +114,37 @@ def test_mixed_batches_equal_eager_token_for_token(
         assert queries <= bucket and (bucket % 8 == 0 or bucket == 32)
 
 
+def test_kv_read_is_never_padded(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_kv_reads(make_model(), monkeypatch)
+
+
+def check_kv_reads(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every cache read (inside the break: at warm-up, capture and every replay) has exactly the
+    batch's keys, the engine's true length, never a padded bucket; one read per layer per
+    batch. The reads are observed (the cache's own update, called through)."""
+    reads: list[int] = []
+    original = PagedAttentionCache.update
+
+    def update(cache: Any, *args: Any, **kwargs: Any) -> Any:
+        key, value = original(cache, *args, **kwargs)
+        reads.append(key.shape[0])
+        return key, value
+
+    batches = Batches(monkeypatch)
+    monkeypatch.setattr(PagedAttentionCache, "update", update)
+    with bcg_core.enable_continuous_batching(model) as handle:
+        generate(model)
+        stats = handle.stats()
+    layers = model.config.num_hidden_layers
+    keys = [k for _, _, k in batches.seen]
+    assert stats.graphs == len({b for b, _, _ in batches.seen})
+    # A capture runs the step warm-ups + 1 times: once on the CPU, twice on CUDA (one warm-up).
+    runs_per_capture = 1 if model.device.type == "cpu" else 2
+    assert len(reads) == layers * (len(keys) + (runs_per_capture - 1) * stats.graphs)
+    assert set(reads) == set(keys)
+    assert reads[-layers:] == [keys[-1]] * layers
+
+
 def test_remove_restores_transformers() -> None:
     mapping = AttentionInterface._global_mapping
     before = (
@@ -115,7 +153,7 @@ def test_remove_restores_transformers() -> None:
         mapping["paged|sdpa"],
         mapping["paged|eager"],
     )
-    model = _model()
+    model = make_model()
     first = bcg_core.enable_continuous_batching(model)
     second = bcg_core.enable_continuous_batching(model)
     assert vars(model_runner.ModelRunner)["compute_batch"] is not before[0]
@@ -134,15 +172,15 @@ def test_remove_restores_transformers() -> None:
 
 
 def test_other_models_run_transformers_code(monkeypatch: pytest.MonkeyPatch) -> None:
-    enabled, other = _model(), _model()
-    reference = _generate(other)
+    enabled, other = make_model(), make_model()
+    reference = generate(other)
     with bcg_core.enable_continuous_batching(enabled) as handle:
-        assert _generate(other) == reference
+        assert generate(other) == reference
         assert handle.stats().graphs == 0
 
 
 def test_unsupported_attention_is_refused_before_anything_changes() -> None:
-    model = _model()
+    model = make_model()
     model.config._attn_implementation = "flex_attention"
     compute = vars(model_runner.ModelRunner)["compute_batch"]
     with pytest.raises(ValueError, match='attn_implementation="sdpa"'):
