@@ -136,14 +136,17 @@ def enable_continuous_batching(model: Any) -> ContinuousBatchingHandle:
     on by default, captures the largest first).
 
     Args:
-        model: a transformers ``PreTrainedModel`` with full attention (sliding-window layers and
-            the flash paths are refused when the engine starts).
+        model: a transformers ``PreTrainedModel`` whose attention is ``sdpa`` or ``eager``
+            (tested with full-attention Llama models).
 
     Returns:
         A :class:`ContinuousBatchingHandle`; ``remove()`` undoes this call.
 
     Raises:
         ImportError: transformers is missing or not a supported version (5.17).
+        ValueError: the model's attention is another one (flash, flex); nothing is patched.
+        The engine, when it starts for an enabled model, raises ``ValueError`` for
+        asynchronous batching (``ContinuousBatchingConfig(use_async_batching=False)``).
     """
     _check_transformers()
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
