@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import bcg_core
+from bcg_core._integrations import continuous_batching as cb  # noqa: PLC2701
 
 transformers = pytest.importorskip(
     "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
@@ -143,6 +144,72 @@ def check_kv_reads(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(reads) == layers * (len(keys) + (runs_per_capture - 1) * stats.graphs)
     assert set(reads) == set(keys)
     assert reads[-layers:] == [keys[-1]] * layers
+
+
+def reference_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+) -> torch.Tensor:
+    """Variable-length causal attention computed per sequence (the query aligned to the end of
+    its keys, as flash attention's causal mask is), without GQA support, as the first torch
+    releases' varlen_attn: what the varlen break must feed, checked on the CPU."""
+    assert window_size == (-1, 0), "the break asks for causal attention"
+    out = []
+    for i in range(cu_q.numel() - 1):
+        qs = q[int(cu_q[i]) : int(cu_q[i + 1])].transpose(0, 1)
+        ks = k[int(cu_k[i]) : int(cu_k[i + 1])].transpose(0, 1)
+        vs = v[int(cu_k[i]) : int(cu_k[i + 1])].transpose(0, 1)
+        assert qs.shape[1] <= max_q and ks.shape[1] <= max_k
+        causal = torch.ones(qs.shape[1], ks.shape[1], dtype=torch.bool)
+        causal = causal.tril(ks.shape[1] - qs.shape[1])
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=causal, scale=scale
+        )
+        out.append(o.transpose(0, 1))
+    return torch.cat(out)
+
+
+def test_varlen_break_feeds_each_request_its_own_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The varlen break's packing (the cache's keys in batch order, cumulative lengths, causal
+    alignment, GQA by repeated heads) on the CPU, with a per-sequence reference kernel standing
+    in for torch's CUDA-only varlen_attn: greedy tokens equal the eager engine's (float32)."""
+    monkeypatch.setattr(cb, "_VARLEN_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(cb, "_varlen_attn", lambda: reference_varlen)
+    cb._varlen_keywords.cache_clear()
+    try:
+        model = make_model()
+        eager = generate(model)
+        with bcg_core.enable_continuous_batching(model, attention="varlen") as handle:
+            assert generate(model) == eager
+            assert handle.stats().graphs >= 2 and handle.stats().eager_calls == 0
+    finally:
+        cb._varlen_keywords.cache_clear()
+
+
+def test_varlen_is_refused_where_it_has_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model()
+    compute = vars(model_runner.ModelRunner)["compute_batch"]
+    with pytest.raises(ValueError, match='"paged" or "varlen"'):
+        bcg_core.enable_continuous_batching(model, attention="flash")  # type: ignore[arg-type]
+    if cb._varlen_attn() is not None:  # a torch with varlen_attn: its kernel is CUDA only
+        with pytest.raises(ValueError, match=r'CUDA kernel .* use attention="paged"'):
+            bcg_core.enable_continuous_batching(model, attention="varlen")
+    assert vars(model_runner.ModelRunner)["compute_batch"] is compute  # nothing patched
+    monkeypatch.setattr(cb, "_VARLEN_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(cb, "_varlen_attn", lambda: reference_varlen)
+    with (
+        bcg_core.enable_continuous_batching(model),
+        pytest.raises(ValueError, match=r"already enabled .* remove that handle first"),
+    ):
+        bcg_core.enable_continuous_batching(model, attention="varlen")
 
 
 def test_remove_restores_transformers() -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import logging
 import threading
 import weakref
@@ -29,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from math import ceil
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -41,12 +42,16 @@ logger = logging.getLogger("bcg_core")
 
 SUPPORTED_TRANSFORMERS = ("5.17",)
 _PAGED = "paged|"
+_VARLEN_DEVICES = ("cuda",)  # where torch's varlen_attn has a kernel
 _ATTENTION = ("paged|sdpa", "paged|eager")
 _EXTRA = 'pip install "bcg-core[transformers]"'
 
-# The engine's IO object of the batch being run through bcg, for the attention wrapper (read at
-# warm-up and capture; a replay runs the break with its capture-time arguments).
-_live_batch: contextvars.ContextVar[Any] = contextvars.ContextVar("bcg_cb_batch", default=None)
+# The engine's IO object of the batch being run through bcg and whether the break runs varlen,
+# for the attention wrapper (read at warm-up and capture; a replay runs the break with its
+# capture-time arguments).
+_live_batch: contextvars.ContextVar[tuple[Any, bool] | None] = contextvars.ContextVar(
+    "bcg_cb_batch", default=None
+)
 
 
 @dataclass(frozen=True)
@@ -116,7 +121,9 @@ class ContinuousBatchingHandle:
         return f"ContinuousBatchingHandle({'active' if self.active else 'removed'})"
 
 
-def enable_continuous_batching(model: Any) -> ContinuousBatchingHandle:
+def enable_continuous_batching(
+    model: Any, *, attention: Literal["paged", "varlen"] = "paged"
+) -> ContinuousBatchingHandle:
     """Run ``model``'s continuous batching forward (``model.generate_batch``,
     ``model.init_continuous_batching()``, ``transformers serve``) through breakable graphs::
 
@@ -138,15 +145,23 @@ def enable_continuous_batching(model: Any) -> ContinuousBatchingHandle:
     Args:
         model: a transformers ``PreTrainedModel`` whose attention is ``sdpa`` or ``eager``
             (tested with full-attention Llama models).
+        attention: what the break computes. ``"paged"``: transformers' own paged function
+            (``paged|sdpa`` over its 4D mask of the packed batch, or ``paged|eager``), so
+            greedy tokens equal the eager engine's. ``"varlen"`` (CUDA, fp16/bf16, a torch with
+            ``torch.nn.attention.varlen``): the cache update, then
+            ``varlen_attn`` over each request's own keys (causal), which skips the packed
+            batch's dense mask; numerically another kernel than eager's.
 
     Returns:
         A :class:`ContinuousBatchingHandle`; ``remove()`` undoes this call.
 
     Raises:
         ImportError: transformers is missing or not a supported version (5.17).
-        ValueError: the model's attention is another one (flash, flex); nothing is patched.
-        The engine, when it starts for an enabled model, raises ``ValueError`` for
-        asynchronous batching (``ContinuousBatchingConfig(use_async_batching=False)``).
+        ValueError: the model's attention is another one (flash, flex), or ``attention`` is
+            unknown or ``"varlen"`` where torch has no ``varlen_attn``; nothing is patched.
+        ``"varlen"`` is also refused for a model off CUDA, and when the engine starts for a
+        model with sliding-window layers. Asynchronous batching is turned off (with a
+        warning) for an enabled model's engines.
     """
     _check_transformers()
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -156,11 +171,29 @@ def enable_continuous_batching(model: Any) -> ContinuousBatchingHandle:
             "bcg makes transformers' paged sdpa and eager attention breaks. Load the model with "
             'attn_implementation="sdpa" (or "eager"), or call model.set_attn_implementation("sdpa")'
         )
+    if attention not in ("paged", "varlen"):
+        raise ValueError(f'attention must be "paged" or "varlen", got {attention!r}')
+    if attention == "varlen" and _varlen_attn() is None:
+        raise ValueError(
+            'attention="varlen" needs torch.nn.attention.varlen.varlen_attn (torch >= 2.9); '
+            'use attention="paged"'
+        )
+    device = getattr(model, "device", None)
+    if attention == "varlen" and getattr(device, "type", None) not in _VARLEN_DEVICES:
+        raise ValueError(
+            'bcg continuous batching: attention="varlen" runs a CUDA kernel (the model is on '
+            f'{device}); use attention="paged"'
+        )
     with _lock:
-        _acquire_patches()
         record = _enabled.get(model)
+        if record is not None and record.attention != attention:
+            raise ValueError(
+                f"bcg continuous batching is already enabled for this model with "
+                f"attention={record.attention!r}; remove that handle first"
+            )
+        _acquire_patches()
         if record is None:
-            record = _enabled[model] = _Record()
+            record = _enabled[model] = _Record(attention=attention)
         record.handles += 1
     return ContinuousBatchingHandle(model)
 
@@ -187,6 +220,7 @@ class _Record:
     """An enabled model: its handles, and what its engines did (they come and go per
     ``generate_batch``)."""
 
+    attention: str = "paged"
     handles: int = 0
     graphs: int = 0
     graph_bytes: int | None = None
@@ -275,10 +309,12 @@ def _uninstall() -> None:
 def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
     def _create_batch_processor(self: Any) -> Any:
         if self.model in _enabled and self.continuous_batching_config.use_async_batching:
-            raise ValueError(
-                "bcg continuous batching does not support asynchronous batching (two IO pairs "
-                "swapped per batch); pass ContinuousBatchingConfig(use_async_batching=False)"
+            # Two IO pairs swapped per batch would need a graph set per pair; bcg keeps one.
+            logger.warning(
+                "bcg continuous batching: asynchronous batching is turned off for this engine "
+                "(bcg graphs use one set of static inputs)"
             )
+            self.continuous_batching_config.use_async_batching = False
         processor = original(self)
         with _lock:
             record = _enabled.get(self.model)
@@ -337,6 +373,12 @@ class _Session:
         if not isinstance(tf_runner.inputs_and_outputs, ContinuousBatchingIOs):
             raise TypeError("bcg continuous batching: asynchronous IO pairs are not supported")
         self.record = record
+        device = torch.device(model.device)
+        if record.attention == "varlen" and tf_runner.cache.num_sliding_attention_groups > 0:
+            raise ValueError(
+                'bcg continuous batching: attention="varlen" covers full attention only (this '
+                'model has sliding-window layers); use attention="paged"'
+            )
         self.interval = tf_runner.cb_config.q_padding_interval_size
         self.max_tokens = tf_runner.cache.max_batch_tokens
         device = torch.device(model.device)
@@ -365,7 +407,7 @@ class _Session:
             batch_data["logits_to_keep"] = batch_data["logits_indices"]
         bucket = int(io.num_q_tokens)
         self._call = (tf_runner, model, batch_data, io.get_cb_kwargs())
-        token = _live_batch.set(io)
+        token = _live_batch.set((io, self.record.attention == "varlen"))
         stream = io.compute_stream
         try:
             with _on_stream(stream):
@@ -416,21 +458,24 @@ def _breakable_paged(function: Callable[..., Any], name: str) -> Callable[..., A
     forward, runs as one ``@eager_on_graph`` break on the live batch's true sizes."""
 
     def paged_attention_break(
-        module: Any, query: Any, key: Any, value: Any, io: Any, kwargs: dict[str, Any]
+        module: Any,
+        query: Any,
+        key: Any,
+        value: Any,
+        io: Any,
+        varlen: bool,
+        kwargs: dict[str, Any],
     ) -> Any:
         tokens = int(io.total_seqlen_q)
         mask, read_index, write_index = _eager_arguments(io, tokens)
-        out, _ = function(
-            module,
-            query[:, :, :tokens],
-            key[:, :, :tokens],
-            value[:, :, :tokens],
-            mask,
-            cache=io.cache,
-            read_index=read_index,
-            write_index=write_index,
-            **kwargs,
-        )
+        q, k, v = query[:, :, :tokens], key[:, :, :tokens], value[:, :, :tokens]
+        if varlen:
+            out = _varlen_attention(module, q, k, v, io, read_index, write_index, kwargs)
+        else:
+            out, _ = function(
+                module, q, k, v, mask,
+                cache=io.cache, read_index=read_index, write_index=write_index, **kwargs,
+            )  # fmt: skip
         if out.shape[1] == query.shape[2]:
             return out
         # The bucket's padded rows: zeros (nothing reads them but the padded logits).
@@ -443,12 +488,13 @@ def _breakable_paged(function: Callable[..., Any], name: str) -> Callable[..., A
     )
 
     def attention(module: Any, query: Any, key: Any, value: Any, mask: Any, **kwargs: Any) -> Any:
-        io = _live_batch.get()
-        if io is None or not is_in_breakable_cuda_graph():
+        live = _live_batch.get()
+        if live is None or not is_in_breakable_cuda_graph():
             return function(module, query, key, value, mask, **kwargs)
         for replaced in ("cache", "read_index", "write_index"):
             kwargs.pop(replaced, None)
-        return as_break(module, query, key, value, io, kwargs), None
+        io, varlen = live
+        return as_break(module, query, key, value, io, varlen, kwargs), None
 
     attention.__name__ = attention.__qualname__ = getattr(function, "__name__", "attention")
     attention.__doc__ = function.__doc__
@@ -472,3 +518,69 @@ def _eager_arguments(io: Any, tokens: int) -> tuple[Any, list[Any], list[Any]]:
     }
     mask: Any = next(iter(masks.values())) if len(masks) == 1 else masks
     return mask, read_index, write_index
+
+
+@functools.cache
+def _varlen_attn() -> Callable[..., Any] | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@functools.cache
+def _varlen_keywords() -> tuple[dict[str, Any], bool]:
+    """How this torch's ``varlen_attn`` is asked for causal attention (``window_size=(-1, 0)``
+    in newer releases, ``is_causal`` in the first ones) and whether it takes ``enable_gqa``."""
+    params = inspect.signature(_varlen_attn()).parameters  # type: ignore[arg-type]
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return causal, "enable_gqa" in params
+
+
+def _varlen_attention(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    io: Any,
+    read_index: list[Any],
+    write_index: list[Any],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The paged cache update, then causal ``varlen_attn`` over each request's keys: query
+    ``[1, H, tokens, D]`` -> ``[1, tokens, H, D]``, the layout transformers' paged functions
+    return. The cache returns every request's keys packed in batch order, as ``cu_seq_lens_k``
+    counts them."""
+    varlen_attn = _varlen_attn()
+    assert varlen_attn is not None  # checked when enabled
+    k, v = io.cache.update(
+        key_states=key,
+        value_states=value,
+        layer_idx=module.layer_idx,
+        read_index=read_index,
+        write_index=write_index,
+    )
+    q = query[0].transpose(0, 1).contiguous()  # [tokens, H, D]
+    k, v = k.contiguous(), v.contiguous()  # [keys, KV heads, D]
+    n = io.num_request_in_batch
+    layer = "full_attention"
+    causal, gqa = _varlen_keywords()
+    options: dict[str, Any] = {"scale": kwargs.get("scaling"), **causal}
+    if q.shape[1] != k.shape[1]:
+        if gqa:
+            options["enable_gqa"] = True
+        else:  # this torch's varlen_attn has no GQA: repeat the KV heads
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = varlen_attn(
+        q,
+        k,
+        v,
+        io.cumulative_seqlens_q[: n + 1],
+        io.cumulative_seqlens_k[layer][: n + 1],
+        int(io.max_seqlen_q),  # the bucket (an upper bound) once the engine padded the batch
+        int(io.max_seqlen_k[layer]),
+        **options,
+    )
+    return out.unsqueeze(0)
