@@ -212,6 +212,18 @@ def test_varlen_is_refused_where_it_has_no_kernel(monkeypatch: pytest.MonkeyPatc
         bcg_core.enable_continuous_batching(model, attention="varlen")
 
 
+def test_disabled_graphs_serve_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BCG_DISABLE=1 (read at every call, also on the engine's own thread): every batch runs the
+    model eagerly on the padded batch, attention included, and the tokens stay eager's."""
+    model = make_model()
+    eager = generate(model)
+    monkeypatch.setenv("BCG_DISABLE", "1")
+    with bcg_core.enable_continuous_batching(model) as handle:
+        assert generate(model) == eager
+        stats = handle.stats()
+    assert stats.graphs == 0 and stats.replays == 0 and stats.eager_calls > 0
+
+
 def test_remove_restores_transformers() -> None:
     mapping = AttentionInterface._global_mapping
     before = (

@@ -333,11 +333,14 @@ def _wrap_pad(original: Callable[..., Any]) -> Callable[..., Any]:
     def maybe_pad_inputs(
         self: Any, num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool
     ) -> tuple[int, int]:
-        session = _sessions.get(self)
-        if session is None:
+        if self not in _sessions:
             return original(self, num_q_tokens, max_kv_read, use_decode_fast_path)  # type: ignore[no-any-return]
-        # The query is padded to its bucket (the graph's shape); the KV read keeps its length.
-        return session.bucket(num_q_tokens), max_kv_read
+        # The query is padded to its bucket (the graph's shape) by transformers' own rule; the KV
+        # read keeps its length.
+        from transformers.generation.continuous_batching.utils import pad_to_interval
+
+        interval = self.cb_config.q_padding_interval_size
+        return pad_to_interval(num_q_tokens, interval, self.cache.max_batch_tokens), max_kv_read
 
     return maybe_pad_inputs
 
@@ -373,16 +376,14 @@ class _Session:
         if not isinstance(tf_runner.inputs_and_outputs, ContinuousBatchingIOs):
             raise TypeError("bcg continuous batching: asynchronous IO pairs are not supported")
         self.record = record
-        device = torch.device(model.device)
         if record.attention == "varlen" and tf_runner.cache.num_sliding_attention_groups > 0:
             raise ValueError(
                 'bcg continuous batching: attention="varlen" covers full attention only (this '
                 'model has sliding-window layers); use attention="paged"'
             )
-        self.interval = tf_runner.cb_config.q_padding_interval_size
-        self.max_tokens = tf_runner.cache.max_batch_tokens
+        interval = tf_runner.cb_config.q_padding_interval_size
         device = torch.device(model.device)
-        buckets = ceil(self.max_tokens / self.interval) if self.interval > 0 else 1
+        buckets = ceil(tf_runner.cache.max_batch_tokens / interval) if interval > 0 else 1
         self.runner = BreakableGraphRunner(
             self._step,
             device="cpu" if device.type == "cpu" else device,
@@ -392,12 +393,6 @@ class _Session:
         )
         self.captured: set[int] = set()
         self._call: tuple[Any, ...] | None = None
-
-    def bucket(self, num_q_tokens: int) -> int:
-        if self.interval <= 0:
-            return int(self.max_tokens)
-        padded = ceil(num_q_tokens / self.interval) * self.interval if num_q_tokens > 0 else 1
-        return int(min(max(padded, self.interval), self.max_tokens))
 
     def compute(self, tf_runner: Any, model: Any, batch_data: dict[str, Any]) -> None:
         io = tf_runner.inputs_and_outputs
@@ -412,8 +407,9 @@ class _Session:
         try:
             with _on_stream(stream):
                 if bucket in self.captured:
+                    eager = self.record.eager_calls
                     self.runner(bucket)
-                    self.record.replays += 1
+                    self.record.replays += self.record.eager_calls == eager  # not run eagerly
                 else:
                     self._capture(bucket)
         finally:
