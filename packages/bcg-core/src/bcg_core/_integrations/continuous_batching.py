@@ -308,7 +308,9 @@ def _uninstall() -> None:
 
 def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
     def _create_batch_processor(self: Any) -> Any:
-        if self.model in _enabled and self.continuous_batching_config.use_async_batching:
+        with _lock:
+            enabled = self.model in _enabled
+        if enabled and self.continuous_batching_config.use_async_batching:
             # Two IO pairs swapped per batch would need a graph set per pair; bcg keeps one.
             logger.warning(
                 "bcg continuous batching: asynchronous batching is turned off for this engine "
@@ -321,8 +323,7 @@ def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
             runner = processor.model_runner
             if record is not None and runner not in _sessions:
                 _sessions[runner] = _Session(runner, self.model, record)
-        enabled = record is not None
-        if enabled:
+        if record is not None:
             runner.pad_inputs = True  # the engine then prepares query-padded, static-shape batches
         return processor
 
@@ -333,7 +334,9 @@ def _wrap_pad(original: Callable[..., Any]) -> Callable[..., Any]:
     def maybe_pad_inputs(
         self: Any, num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool
     ) -> tuple[int, int]:
-        if self not in _sessions:
+        with _lock:
+            ours = self in _sessions
+        if not ours:
             return original(self, num_q_tokens, max_kv_read, use_decode_fast_path)  # type: ignore[no-any-return]
         # The query is padded to its bucket (the graph's shape) by transformers' own rule; the KV
         # read keeps its length.
@@ -347,7 +350,8 @@ def _wrap_pad(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _wrap_compute(original: Callable[..., Any]) -> Callable[..., Any]:
     def compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> None:
-        session = _sessions.get(self)
+        with _lock:
+            session = _sessions.get(self)
         if session is None:
             original(self, model, batch_data)
             return
