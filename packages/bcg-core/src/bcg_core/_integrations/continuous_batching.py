@@ -71,11 +71,13 @@ class ContinuousBatchingStats:
 
 class ContinuousBatchingHandle:
     """Returned by :func:`enable_continuous_batching`. :meth:`remove` (or leaving a ``with``
-    block) turns bcg off for the model and releases this handle's reference on the patches;
-    engines built before keep their graphs until they are dropped. Idempotent."""
+    block) releases this handle's reference (idempotent): bcg is off for the model once all
+    its handles are removed, and transformers' code is restored once every handle of every
+    model is. Engines built before keep their graphs until they are dropped."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, record: _Record) -> None:
         self._model: weakref.ref[Any] | None = weakref.ref(model)
+        self._record = record
 
     @property
     def active(self) -> bool:
@@ -83,15 +85,11 @@ class ContinuousBatchingHandle:
         return self._model is not None
 
     def stats(self) -> ContinuousBatchingStats:
-        """Counters of every engine run for the model (see :class:`ContinuousBatchingStats`)."""
-        model = None if self._model is None else self._model()
+        """Counters of every engine run for the model while it was enabled (see
+        :class:`ContinuousBatchingStats`); still readable after :meth:`remove`."""
+        r = self._record
         with _lock:
-            record = _enabled.get(model) if model is not None else None
-            if record is None:
-                return ContinuousBatchingStats(0, None, 0, 0)
-            return ContinuousBatchingStats(
-                record.graphs, record.graph_bytes, record.replays, record.eager_calls
-            )
+            return ContinuousBatchingStats(r.graphs, r.graph_bytes, r.replays, r.eager_calls)
 
     def remove(self) -> None:
         with _lock:
@@ -138,7 +136,7 @@ def enable_continuous_batching(
     transformers' own ``ContinuousBatchingConfig.q_padding_interval_size`` (its default, 64,
     when unset); the KV read is never padded, and each batch's attention gets exactly the
     arguments the eager engine would give it. On CUDA this replaces transformers' own CUDA
-    graphs for the model (``use_cuda_graph`` is ignored); ``device="cpu"`` models capture with
+    graphs for the model (``use_cuda_graph`` is ignored); a model on the CPU captures with
     bcg's CPU graph backend. Graphs are captured on first use of a bucket (the engine's warm-up,
     on by default, captures the largest first).
 
@@ -195,7 +193,7 @@ def enable_continuous_batching(
         if record is None:
             record = _enabled[model] = _Record(attention=attention)
         record.handles += 1
-    return ContinuousBatchingHandle(model)
+    return ContinuousBatchingHandle(model, record)
 
 
 def _check_transformers() -> None:
