@@ -1,20 +1,13 @@
 #!/usr/bin/env bash
-# Issue 22 (branch first): the CUDA tests this branch adds or touches, on the H200.
-# Runs from the repo root; $OUT gets the pytest logs. Diffusers tests skip unless diffusers is
-# carried (tools/device_run.sh installs wheels into /tmp/bcg-site).
+# Issue 24 (branch serve): the continuous-batching CUDA tests, then the serve bench.
+# Runs from the repo root with $OUT as the output folder, in well under 4 minutes: the full
+# `bcg bench serve` (about 5-7 minutes) is for one separate device call.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out="${OUT:-/tmp/out}"
-mkdir -p "$out"
-site="${BCG_SITE:-/tmp/bcg-site}"
-[ -d "$site" ] || site=""
-export PYTHONPATH="packages/bcg-core/src:packages/bcg-diffusion/src${site:+:$site}"
+export PYTHONPATH="packages/bcg-core/src:packages/bcg-diffusion/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
-timeout 200 python3 -m pytest -p no:cacheprovider -q -rs -m cuda \
-  tests/core/test_divergence_first_contact.py tests/core/test_divergence_recipes.py \
-  tests/core/test_divergence.py tests/diffusion/test_divergence_diffusers.py \
-  2>&1 | tee "$out/cuda_divergence.log" | tail -30
-python3 benchmarks/divergence_demo.py --backend cuda > "$out/divergence_demo.log" 2>&1
-echo "divergence_demo rc=$?" >> "$out/divergence_demo.log"
-tail -12 "$out/divergence_demo.log"
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+python3 -m pytest -p no:cacheprovider -q -x tests/core/test_cuda_continuous_batching.py \
+  tests/core/test_cpu_continuous_batching.py 2>&1 | tail -30 | tee "$OUT/tests.txt"
+timeout 150 python3 -m bcg_core bench --smoke serve --json "$OUT/serve-smoke.json" \
+  2>&1 | grep -v ContinuousBatchingLogger | tail -40 | tee "$OUT/serve-smoke.txt"

@@ -194,6 +194,27 @@ _stats = runner.stats_at_reset
 assert _stats.hits == len(timesteps) and _stats.misses == 0, _stats
 """
 
+CONTINUOUS_BATCHING = (
+    TRANSFORMERS
+    + """
+from transformers.generation.continuous_batching.cache import PagedAttentionMemoryHandler
+# A CPU reports no free device memory; the engine sizes a small cache from this instead (the
+# check puts the query back).
+_memory_query = PagedAttentionMemoryHandler.get_available_memory
+PagedAttentionMemoryHandler.get_available_memory = lambda self: 16 << 20
+prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+gen = transformers.GenerationConfig(
+    max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0
+)
+"""
+)
+
+CONTINUOUS_BATCHING_CHECK = """
+PagedAttentionMemoryHandler.get_available_memory = _memory_query
+assert len(out) == len(prompts) and all(len(o.generated_tokens) == 4 for o in out.values())
+assert handle.stats().graphs >= 1 and handle.stats().eager_calls == 0, handle.stats()
+"""
+
 # (a line that is in the block, prelude, check after)
 PRELUDES: list[tuple[str, str, str]] = [
     ('name = breakable_attention("sdpa")', RECIPE, RECIPE_CHECK),
@@ -204,8 +225,14 @@ PRELUDES: list[tuple[str, str, str]] = [
     ("def attention(q, k, v, seq_lens_host):", CORE_RUNNER, CORE_RUNNER_CHECK),
     ('torch.compile(model, backend="eager")', COMPILE, COMPILE_CHECK),
     ("attention_classes=(MyAttention,)", DIFFUSION_RUNNER, DIFFUSION_RUNNER_CHECK),
+    ("enable_continuous_batching(model) as handle", CONTINUOUS_BATCHING, CONTINUOUS_BATCHING_CHECK),
 ]
-NEEDS = {DIFFUSERS: "diffusers", RECIPE: "transformers", DIVERGENCE_TRANSFORMERS: "transformers"}
+NEEDS = {
+    DIFFUSERS: "diffusers",
+    RECIPE: "transformers",
+    DIVERGENCE_TRANSFORMERS: "transformers",
+    CONTINUOUS_BATCHING: "transformers",
+}
 
 
 def _on_cpu(source: str) -> str:

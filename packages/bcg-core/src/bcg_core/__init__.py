@@ -34,6 +34,11 @@ from bcg_core._errors import (
     ReplayError,
     UnjoinedStreamError,
 )
+from bcg_core._integrations.continuous_batching import (
+    ContinuousBatchingHandle,
+    ContinuousBatchingStats,
+    enable_continuous_batching,
+)
 from bcg_core._integrations.transformers import breakable_attention
 from bcg_core._runner.runner import (
     BreakableGraphRunner,
@@ -55,6 +60,8 @@ __all__ = [
     "CaptureError",
     "CaptureReport",
     "ConcurrentCaptureError",
+    "ContinuousBatchingHandle",
+    "ContinuousBatchingStats",
     "DivergenceReport",
     "EntryStats",
     "GraphMemory",
@@ -72,6 +79,7 @@ __all__ = [
     "disable_breakable_graphs",
     "eager_on_graph",
     "enable_breakable_cuda_graph",
+    "enable_continuous_batching",
     "get_current_stream",
     "is_breakable_capture_active",
     "is_in_breakable_cuda_graph",

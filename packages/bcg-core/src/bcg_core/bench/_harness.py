@@ -102,7 +102,8 @@ class Measurement:
             full-graph contender ran).
         ratio_to_eager: its time over eager's, per repeat (default None: no eager contender
             ran).
-        details: figures of a workload's own beyond the table's columns (JSON only).
+        details: a workload's own breakdowns beyond the table's columns (JSON only).
+        figures: a workload's own named figures, shown in the table's ``figures`` column.
     """
 
     workload: str
@@ -117,6 +118,7 @@ class Measurement:
     ratio_to_full_graph: Stats | None = None
     ratio_to_eager: Stats | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    figures: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """The measurement as plain dicts and values, for a JSON result file.

@@ -23,7 +23,7 @@ from bcg_core.bench._harness import Measurement, Stats
 
 COLUMNS = (
     "workload", "case", "contender", "us/step median [min-max]", "x full graph", "x eager",
-    "segments", "capture ms", "pool MB", "correct",
+    "segments", "capture ms", "pool MB", "correct", "figures",
 )  # fmt: skip
 
 
@@ -98,6 +98,7 @@ def rows(measurements: Sequence[Measurement]) -> list[list[str]]:
                 _cell(m.capture_ms),
                 _cell(m.pool_mb),
                 _cell(m.correct),
+                ", ".join(f"{k} {v:.1f}" for k, v in m.figures.items()),
             ]
         )
     return out

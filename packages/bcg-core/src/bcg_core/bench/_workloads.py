@@ -41,6 +41,7 @@ def discover() -> dict[str, Workload]:
         "capture": _lazy("bcg_core.bench._capture_workload", "capture_workload"),
         "memory": _lazy("bcg_core.bench._memory_workload", "memory_workload"),
         "capture-scale": _lazy("bcg_core.bench._scale_workload", "capture_scale_workload"),
+        "serve": _lazy("bcg_core.bench._serve_workload", "serve_workload"),
     }
     for ep in importlib.metadata.entry_points(group=WORKLOAD_GROUP):
         if ep.name not in found:

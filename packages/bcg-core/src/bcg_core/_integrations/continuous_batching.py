@@ -1,0 +1,600 @@
+"""transformers' continuous batching through breakable graphs (transformers 5.17).
+
+transformers' engine (``generate_batch``, ``ContinuousBatchingManager``, ``transformers serve``)
+packs the prefill chunks and decode tokens of many requests into one ragged forward whose
+attention reads the paged KV cache through host-built metadata (read/write indices, a 4D mask
+over the packed keys). Its own CUDA graphs pad the query tokens *and* the KV read length and
+capture one graph per (query bucket, KV bucket) pair. Here the paged attention is the break, so
+one graph per query bucket serves every KV length, and the KV read is never padded: at every
+call, capture or replay, the break rebuilds the attention's arguments from the live batch (the
+engine's ``ContinuousBatchingIOs``) with the batch's true sizes, exactly as the eager engine
+would pass them, and slices the query to the batch's true tokens.
+
+The engine is reached through three methods of ``ModelRunner`` and one of
+``ContinuousBatchingManager`` (which builds the runner), plus the ``paged|sdpa`` and
+``paged|eager`` entries of transformers' ``AttentionInterface``: patched while any handle is
+alive (one reference per handle, under a lock), restored when the last is removed. They act only
+for enabled models; every other model runs transformers' code unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from math import ceil
+from types import TracebackType
+from typing import Any, Literal
+
+import torch
+
+from bcg_core._capture.breaks import eager_on_graph
+from bcg_core._capture.flag import is_in_breakable_cuda_graph
+from bcg_core._runner.runner import BreakableGraphRunner
+
+logger = logging.getLogger("bcg_core")
+
+SUPPORTED_TRANSFORMERS = ("5.17",)
+_PAGED = "paged|"
+_VARLEN_DEVICES = ("cuda",)  # where torch's varlen_attn has a kernel
+_ATTENTION = ("paged|sdpa", "paged|eager")
+_EXTRA = 'pip install "bcg-core[transformers]"'
+
+# The engine's IO object of the batch being run through bcg and whether the break runs varlen,
+# for the attention wrapper (read at warm-up and capture; a replay runs the break with its
+# capture-time arguments).
+_live_batch: contextvars.ContextVar[tuple[Any, bool] | None] = contextvars.ContextVar(
+    "bcg_cb_batch", default=None
+)
+
+
+@dataclass(frozen=True)
+class ContinuousBatchingStats:
+    """What bcg did for an enabled model, over every engine built for it so far.
+
+    Attributes:
+        graphs: graphs captured (one per query-token bucket).
+        graph_bytes: the largest pool size seen right after a capture (the engines' shared
+            pools; None on the CPU backend).
+        replays: batches served by a replay.
+        eager_calls: batches run eagerly (graphs disabled, or a capture failed).
+    """
+
+    graphs: int
+    graph_bytes: int | None
+    replays: int
+    eager_calls: int
+
+
+class ContinuousBatchingHandle:
+    """The reference :func:`enable_continuous_batching` returns; made by bcg, never by hand.
+
+    :meth:`remove` (or leaving a ``with`` block) releases this handle's reference (idempotent):
+    bcg is off for the model once all its handles are removed, and transformers' code is
+    restored once every handle of every model is. Engines built before keep their graphs until
+    they are dropped.
+
+    Args:
+        model: the enabled model (held weakly).
+        record: the model's shared counters and handle count.
+    """
+
+    def __init__(self, model: Any, record: _Record) -> None:
+        self._model: weakref.ref[Any] | None = weakref.ref(model)
+        self._record = record
+
+    @property
+    def active(self) -> bool:
+        """Whether this handle still holds its patch reference."""
+        return self._model is not None
+
+    def stats(self) -> ContinuousBatchingStats:
+        """Counters of every engine run for the model while it was enabled.
+
+        Returns:
+            A :class:`ContinuousBatchingStats`; still readable after :meth:`remove`.
+        """
+        r = self._record
+        with _lock:
+            return ContinuousBatchingStats(r.graphs, r.graph_bytes, r.replays, r.eager_calls)
+
+    def remove(self) -> None:
+        """Release this handle's reference (idempotent); see the class docstring."""
+        with _lock:
+            ref, self._model = self._model, None
+            if ref is None:
+                return
+            model = ref()
+            record = None if model is None else _enabled.get(model)
+            if record is not None:
+                record.handles -= 1
+                if record.handles == 0:
+                    del _enabled[model]
+            _release_patches()
+
+    def __enter__(self) -> ContinuousBatchingHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"ContinuousBatchingHandle({'active' if self.active else 'removed'})"
+
+
+def enable_continuous_batching(
+    model: Any, *, attention: Literal["paged", "varlen"] = "paged"
+) -> ContinuousBatchingHandle:
+    """Run ``model``'s continuous batching forward through breakable graphs.
+
+    Covers ``model.generate_batch``, ``model.init_continuous_batching()`` and
+    ``transformers serve``::
+
+        handle = bcg_core.enable_continuous_batching(model)
+        outputs = model.generate_batch(prompts, generation_config=gen)
+        handle.remove()
+
+    The paged attention (``paged|sdpa`` or ``paged|eager``: load the model with
+    ``attn_implementation="sdpa"`` or ``"eager"``; the engine adds ``paged|``) is the break;
+    everything else in the step (embeddings, projections, RoPE, MLPs, the logits and the greedy
+    or sampled token choice) is captured, one graph per query-token bucket. Buckets come from
+    transformers' own ``ContinuousBatchingConfig.q_padding_interval_size`` (its default, 64,
+    when unset); the KV read is never padded, and each batch's attention gets exactly the
+    arguments the eager engine would give it. On CUDA this replaces transformers' own CUDA
+    graphs for the model (``use_cuda_graph`` is ignored); a model on the CPU captures with
+    bcg's CPU graph backend. Graphs are captured on first use of a bucket (the engine's warm-up,
+    on by default, captures the largest first).
+
+    Args:
+        model: a transformers ``PreTrainedModel`` whose attention is ``sdpa`` or ``eager``
+            (tested with full-attention Llama models).
+        attention: what the break computes. ``"paged"``: transformers' own paged function
+            (``paged|sdpa`` over its 4D mask of the packed batch, or ``paged|eager``), so
+            greedy tokens equal the eager engine's. ``"varlen"`` (CUDA, fp16/bf16, a torch with
+            ``torch.nn.attention.varlen``): the cache update, then
+            ``varlen_attn`` over each request's own keys (causal), which skips the packed
+            batch's dense mask; numerically another kernel than eager's.
+
+    Returns:
+        A :class:`ContinuousBatchingHandle`; ``remove()`` undoes this call.
+
+    Raises:
+        ImportError: transformers is missing or not a supported version (5.17).
+        ValueError: the model's attention is another one (flash, flex), or ``attention`` is
+            unknown or ``"varlen"`` where torch has no ``varlen_attn``; nothing is patched.
+        ``"varlen"`` is also refused for a model off CUDA, and when the engine starts for a
+        model with sliding-window layers. Asynchronous batching is turned off (with a
+        warning) for an enabled model's engines.
+    """
+    _check_transformers()
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation not in (*_ATTENTION, *(a.removeprefix(_PAGED) for a in _ATTENTION)):
+        raise ValueError(
+            f"bcg_core.enable_continuous_batching: the model's attention is {implementation!r}; "
+            "bcg makes transformers' paged sdpa and eager attention breaks. Load the model with "
+            'attn_implementation="sdpa" (or "eager"), or call model.set_attn_implementation("sdpa")'
+        )
+    if attention not in ("paged", "varlen"):
+        raise ValueError(f'attention must be "paged" or "varlen", got {attention!r}')
+    if attention == "varlen" and _varlen_attn() is None:
+        raise ValueError(
+            'attention="varlen" needs torch.nn.attention.varlen.varlen_attn (torch >= 2.9); '
+            'use attention="paged"'
+        )
+    device = getattr(model, "device", None)
+    if attention == "varlen" and getattr(device, "type", None) not in _VARLEN_DEVICES:
+        raise ValueError(
+            'bcg continuous batching: attention="varlen" runs a CUDA kernel (the model is on '
+            f'{device}); use attention="paged"'
+        )
+    with _lock:
+        record = _enabled.get(model)
+        if record is not None and record.attention != attention:
+            raise ValueError(
+                f"bcg continuous batching is already enabled for this model with "
+                f"attention={record.attention!r}; remove that handle first"
+            )
+        _acquire_patches()
+        if record is None:
+            record = _enabled[model] = _Record(attention=attention)
+        record.handles += 1
+    return ContinuousBatchingHandle(model, record)
+
+
+def _check_transformers() -> None:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            f"bcg_core.enable_continuous_batching needs transformers: {_EXTRA}"
+        ) from exc
+    version = ".".join(transformers.__version__.split(".")[:2])
+    if version not in SUPPORTED_TRANSFORMERS:
+        raise ImportError(
+            f"bcg_core.enable_continuous_batching patches transformers' continuous batching "
+            f"runner, which it supports for transformers {', '.join(SUPPORTED_TRANSFORMERS)}; "
+            f"found {transformers.__version__}. Install a supported version, or run the engine "
+            "without bcg."
+        )
+
+
+@dataclass
+class _Record:
+    """An enabled model: its handles, and what its engines did (they come and go per
+    ``generate_batch``)."""
+
+    attention: str = "paged"
+    handles: int = 0
+    graphs: int = 0
+    graph_bytes: int | None = None
+    replays: int = 0
+    eager_calls: int = 0
+
+
+# -- patches ------------------------------------------------------------------------------------
+
+_lock = threading.RLock()
+_enabled: weakref.WeakKeyDictionary[Any, _Record] = weakref.WeakKeyDictionary()
+_sessions: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
+_installed: list[_Patch] = []
+_references = 0
+
+
+def _acquire_patches() -> None:
+    global _references
+    if _references == 0:
+        _install()
+    _references += 1
+
+
+def _release_patches() -> None:
+    global _references
+    _references -= 1
+    if _references == 0:
+        _uninstall()
+
+
+@dataclass
+class _Patch:
+    """One replaced value: a class attribute, or an entry of transformers' attention table."""
+
+    target: Any  # a class or a dict
+    name: str
+    original: Any
+    ours: Any
+
+    def current(self) -> Any:
+        table = self.target if isinstance(self.target, dict) else vars(self.target)
+        return table.get(self.name)
+
+    def put(self, value: Any) -> None:
+        if isinstance(self.target, dict):
+            self.target[self.name] = value
+        else:
+            setattr(self.target, self.name, value)
+
+
+def _install() -> None:
+    from transformers.generation.continuous_batching import continuous_api, model_runner
+    from transformers.modeling_utils import AttentionInterface
+
+    runner_cls = model_runner.ModelRunner
+    manager_cls = continuous_api.ContinuousBatchingManager
+    mapping: dict[str, Any] = AttentionInterface._global_mapping
+    wraps: list[tuple[Any, str, Callable[[Any], Any]]] = [
+        (manager_cls, "_create_batch_processor", _wrap_create),
+        (runner_cls, "maybe_pad_inputs", _wrap_pad),
+        (runner_cls, "compute_batch", _wrap_compute),
+    ]
+    wraps += [
+        (mapping, name, functools.partial(_breakable_paged, name=name)) for name in _ATTENTION
+    ]
+    for target, name, wrap in wraps:
+        original = target[name] if isinstance(target, dict) else vars(target)[name]
+        patch = _Patch(target, name, original, wrap(original))
+        patch.put(patch.ours)
+        _installed.append(patch)
+
+
+def _uninstall() -> None:
+    while _installed:
+        patch = _installed.pop()
+        if patch.current() is patch.ours:
+            patch.put(patch.original)
+        else:
+            logger.warning(
+                "bcg: %s was replaced by other code while bcg's continuous batching patch was "
+                "installed; bcg leaves it as it is",
+                patch.name,
+            )
+
+
+def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _create_batch_processor(self: Any) -> Any:
+        with _lock:
+            enabled = self.model in _enabled
+        if enabled and self.continuous_batching_config.use_async_batching:
+            # Two IO pairs swapped per batch would need a graph set per pair; bcg keeps one.
+            logger.warning(
+                "bcg continuous batching: asynchronous batching is turned off for this engine "
+                "(bcg graphs use one set of static inputs)"
+            )
+            self.continuous_batching_config.use_async_batching = False
+        processor = original(self)
+        with _lock:
+            record = _enabled.get(self.model)
+            runner = processor.model_runner
+            if record is not None and runner not in _sessions:
+                _sessions[runner] = _Session(runner, self.model, record)
+        if record is not None:
+            runner.pad_inputs = True  # the engine then prepares query-padded, static-shape batches
+        return processor
+
+    return _create_batch_processor
+
+
+def _wrap_pad(original: Callable[..., Any]) -> Callable[..., Any]:
+    def maybe_pad_inputs(
+        self: Any, num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool
+    ) -> tuple[int, int]:
+        with _lock:
+            ours = self in _sessions
+        if not ours:
+            return original(self, num_q_tokens, max_kv_read, use_decode_fast_path)  # type: ignore[no-any-return]
+        # The query is padded to its bucket (the graph's shape) by transformers' own rule; the KV
+        # read keeps its length.
+        from transformers.generation.continuous_batching.utils import pad_to_interval
+
+        interval = self.cb_config.q_padding_interval_size
+        return pad_to_interval(num_q_tokens, interval, self.cache.max_batch_tokens), max_kv_read
+
+    return maybe_pad_inputs
+
+
+def _wrap_compute(original: Callable[..., Any]) -> Callable[..., Any]:
+    def compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> None:
+        with _lock:
+            session = _sessions.get(self)
+        if session is None:
+            original(self, model, batch_data)
+            return
+        session.compute(self, model, batch_data)
+
+    return compute_batch
+
+
+# -- one engine -----------------------------------------------------------------------------------
+
+
+class _Session:
+    """bcg's graphs for one engine (one transformers ``ModelRunner``): a runner keyed by the
+    query bucket, sharing one pool."""
+
+    def __init__(self, tf_runner: Any, model: Any, record: _Record) -> None:
+        from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+
+        implementation = model.config._attn_implementation
+        if implementation not in _ATTENTION:
+            raise ValueError(
+                f"bcg continuous batching: the model's attention is {implementation!r}; bcg makes "
+                f"the paged attention a break for {' and '.join(_ATTENTION)} only. Load the model "
+                'with attn_implementation="sdpa" (or "eager"), or remove the bcg handle.'
+            )
+        if not isinstance(tf_runner.inputs_and_outputs, ContinuousBatchingIOs):
+            raise TypeError("bcg continuous batching: asynchronous IO pairs are not supported")
+        self.record = record
+        if record.attention == "varlen" and tf_runner.cache.num_sliding_attention_groups > 0:
+            raise ValueError(
+                'bcg continuous batching: attention="varlen" covers full attention only (this '
+                'model has sliding-window layers); use attention="paged"'
+            )
+        interval = tf_runner.cb_config.q_padding_interval_size
+        device = torch.device(model.device)
+        buckets = ceil(tf_runner.cache.max_batch_tokens / interval) if interval > 0 else 1
+        self.runner = BreakableGraphRunner(
+            self._step,
+            device=device,
+            max_entries=buckets,
+            # One eager run first makes the library handles (cuBLAS) a CUDA capture needs.
+            warmup_iters=1,
+        )
+        self.captured: set[int] = set()
+        self._call: tuple[Any, ...] | None = None
+
+    def compute(self, tf_runner: Any, model: Any, batch_data: dict[str, Any]) -> None:
+        io = tf_runner.inputs_and_outputs
+        if io.use_block_table:  # the flash decode path; refused at start, kept as a guard
+            raise RuntimeError("bcg continuous batching: block-table batches are not supported")
+        if tf_runner.supports_logits_to_keep(model):
+            batch_data["logits_to_keep"] = batch_data["logits_indices"]
+        bucket = int(io.num_q_tokens)
+        self._call = (tf_runner, model, batch_data, io.get_cb_kwargs())
+        token = _live_batch.set((io, self.record.attention == "varlen"))
+        stream = io.compute_stream
+        try:
+            with _on_stream(stream):
+                if bucket in self.captured:
+                    eager = self.record.eager_calls
+                    self.runner(bucket)
+                    self.record.replays += self.record.eager_calls == eager  # not run eagerly
+                else:
+                    self._capture(bucket)
+        finally:
+            _live_batch.reset(token)
+            self._call = None
+
+    def _capture(self, bucket: int) -> None:
+        before = self.runner.stats.captures
+        self.runner.capture(bucket)
+        stats = self.runner.stats
+        if stats.captures == before:
+            return  # graphs disabled or the capture failed: the batch ran eagerly
+        self.captured.add(bucket)
+        self.record.graphs += 1
+        size = stats.entries[-1].pool_bytes
+        if size is not None:
+            self.record.graph_bytes = max(size, self.record.graph_bytes or 0)
+
+    def _step(self, bucket: int) -> None:
+        assert self._call is not None, "the step runs inside compute() only"
+        tf_runner, model, batch_data, cb_kwargs = self._call
+        if not is_in_breakable_cuda_graph():
+            self.record.eager_calls += 1
+        tf_runner._forward_process_and_sample(model, batch_data, *cb_kwargs)
+
+
+@contextlib.contextmanager
+def _on_stream(stream: Any) -> Iterator[None]:
+    # The engine's compute stream (CUDA; None on CPU), as its own eager path uses it.
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        yield
+
+
+# -- the attention break ------------------------------------------------------------------------
+
+
+def _breakable_paged(function: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``function`` (a paged attention of transformers) that, inside a bcg continuous-batching
+    forward, runs as one ``@eager_on_graph`` break on the live batch's true sizes."""
+
+    def paged_attention_break(
+        module: Any,
+        query: Any,
+        key: Any,
+        value: Any,
+        io: Any,
+        varlen: bool,
+        kwargs: dict[str, Any],
+    ) -> Any:
+        tokens = int(io.total_seqlen_q)
+        mask, read_index, write_index = _eager_arguments(io, tokens)
+        q, k, v = query[:, :, :tokens], key[:, :, :tokens], value[:, :, :tokens]
+        if varlen:
+            out = _varlen_attention(module, q, k, v, io, read_index, write_index, kwargs)
+        else:
+            out, _ = function(
+                module, q, k, v, mask,
+                cache=io.cache, read_index=read_index, write_index=write_index, **kwargs,
+            )  # fmt: skip
+        if out.shape[1] == query.shape[2]:
+            return out
+        # The bucket's padded rows: zeros (nothing reads them but the padded logits).
+        padded = out.new_zeros((out.shape[0], query.shape[2], *out.shape[2:]))
+        padded[:, :tokens] = out
+        return padded
+
+    as_break = eager_on_graph(name=f"transformers continuous batching attention ({name})")(
+        paged_attention_break
+    )
+
+    def attention(module: Any, query: Any, key: Any, value: Any, mask: Any, **kwargs: Any) -> Any:
+        live = _live_batch.get()
+        if live is None or not is_in_breakable_cuda_graph():
+            return function(module, query, key, value, mask, **kwargs)
+        for replaced in ("cache", "read_index", "write_index"):
+            kwargs.pop(replaced, None)
+        io, varlen = live
+        return as_break(module, query, key, value, io, varlen, kwargs), None
+
+    attention.__name__ = attention.__qualname__ = getattr(function, "__name__", "attention")
+    attention.__doc__ = function.__doc__
+    return attention
+
+
+def _eager_arguments(io: Any, tokens: int) -> tuple[Any, list[Any], list[Any]]:
+    """The mask and cache indices the eager engine (no padding) passes for the batch ``io``
+    holds: ``ContinuousBatchingIOs.get_model_kwargs(use_padding=False)`` for ``tokens`` query
+    tokens, read from the same static storage."""
+    groups = range(io.cache.num_groups)
+    write_index = [io.write_index_storage[g, : io.true_write_sizes[g]] for g in groups]
+    read_index = [
+        io.read_index_storage[g, : 0 if io.max_kv_read == 0 else io.true_read_sizes[g]]
+        for g in groups
+    ]
+    if io.attention_mask is None:
+        return None, read_index, write_index
+    masks = {
+        layer: m[..., :tokens, : io.total_seqlen_k[layer]] for layer, m in io.attention_mask.items()
+    }
+    mask: Any = next(iter(masks.values())) if len(masks) == 1 else masks
+    return mask, read_index, write_index
+
+
+@functools.cache
+def _varlen_attn() -> Callable[..., Any] | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@functools.cache
+def _varlen_keywords() -> tuple[dict[str, Any], bool]:
+    """How this torch's ``varlen_attn`` is asked for causal attention (``window_size=(-1, 0)``
+    in newer releases, ``is_causal`` in the first ones) and whether it takes ``enable_gqa``."""
+    params = inspect.signature(_varlen_attn()).parameters  # type: ignore[arg-type]
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return causal, "enable_gqa" in params
+
+
+def _varlen_attention(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    io: Any,
+    read_index: list[Any],
+    write_index: list[Any],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The paged cache update, then causal ``varlen_attn`` over each request's keys: query
+    ``[1, H, tokens, D]`` -> ``[1, tokens, H, D]``, the layout transformers' paged functions
+    return. The cache returns every request's keys packed in batch order, as ``cu_seq_lens_k``
+    counts them."""
+    varlen_attn = _varlen_attn()
+    assert varlen_attn is not None  # checked when enabled
+    k, v = io.cache.update(
+        key_states=key,
+        value_states=value,
+        layer_idx=module.layer_idx,
+        read_index=read_index,
+        write_index=write_index,
+    )
+    q = query[0].transpose(0, 1).contiguous()  # [tokens, H, D]
+    k, v = k.contiguous(), v.contiguous()  # [keys, KV heads, D]
+    n = io.num_request_in_batch
+    layer = "full_attention"
+    causal, gqa = _varlen_keywords()
+    options: dict[str, Any] = {"scale": kwargs.get("scaling"), **causal}
+    if q.shape[1] != k.shape[1]:
+        if gqa:
+            options["enable_gqa"] = True
+        else:  # this torch's varlen_attn has no GQA: repeat the KV heads
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = varlen_attn(
+        q,
+        k,
+        v,
+        io.cumulative_seqlens_q[: n + 1],
+        io.cumulative_seqlens_k[layer][: n + 1],
+        int(io.max_seqlen_q),  # the bucket (an upper bound) once the engine padded the batch
+        int(io.max_seqlen_k[layer]),
+        **options,
+    )
+    return out.unsqueeze(0)

@@ -1,0 +1,267 @@
+"""transformers' continuous batching (``generate_batch``) through bcg on the CPU graph backend:
+a tiny Llama with random weights, several requests of different prompt lengths, greedy. Batches
+mix prefill chunks and decode tokens; bcg's tokens must equal the eager engine's token for token.
+
+The engine sizes its cache from free device memory, which a CPU has none of: the cache gets
+explicit ``num_blocks`` and ``max_batch_tokens``, and only the memory query is stubbed (the
+attention is transformers' own, always).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import bcg_core
+from bcg_core._integrations import continuous_batching as cb  # noqa: PLC2701
+
+transformers = pytest.importorskip(
+    "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
+)
+from transformers.generation.continuous_batching import model_runner  # noqa: E402
+from transformers.generation.continuous_batching.cache import (  # noqa: E402
+    PagedAttentionCache,
+    PagedAttentionMemoryHandler,
+)
+from transformers.generation.continuous_batching.input_outputs import (  # noqa: E402
+    ContinuousBatchingIOs,
+)
+from transformers.modeling_utils import AttentionInterface  # noqa: E402
+
+PROMPT_LENGTHS = (5, 17, 9, 30, 3, 12)
+NEW_TOKENS = 10
+
+
+@pytest.fixture(autouse=True)
+def _cpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only the free-memory query: on a CPU it reports 0 bytes, and the cache refuses to exist.
+    monkeypatch.setattr(PagedAttentionMemoryHandler, "get_available_memory", lambda self: 1 << 30)
+
+
+def make_model(attention: str = "sdpa", device: str = "cpu") -> Any:
+    """A tiny Llama (random weights, float32) with ``attention`` on ``device``."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).to(device).eval()
+    model.set_attn_implementation(attention)
+    return model
+
+
+def generate(model: Any, interval: int = 8, max_batch_tokens: int = 32) -> dict[str, list[int]]:
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    gen = transformers.GenerationConfig(
+        max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    cb = transformers.ContinuousBatchingConfig(
+        num_blocks=32, block_size=16, max_batch_tokens=max_batch_tokens,
+        q_padding_interval_size=interval, use_async_batching=False, use_cuda_graph=False,
+    )  # fmt: skip
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+    return {rid: list(o.generated_tokens) for rid, o in out.items()}
+
+
+class Batches:
+    """Records each batch the engine prepares (an observer: calls through unchanged)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.seen: list[tuple[int, int, int]] = []  # (query bucket, true queries, keys read)
+        original = ContinuousBatchingIOs.prepare_batch_tensors
+
+        def prepare(io: Any, *args: Any, **kwargs: Any) -> None:
+            original(io, *args, **kwargs)
+            self.seen.append(
+                (io.num_q_tokens, io.total_seqlen_q, int(sum(io.total_seqlen_k.values())))
+            )
+
+        monkeypatch.setattr(ContinuousBatchingIOs, "prepare_batch_tensors", prepare)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_mixed_batches_equal_eager_token_for_token(
+    attention: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check_against_eager(make_model(attention), monkeypatch)
+
+
+def check_against_eager(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bcg's tokens equal the eager engine's, with one graph per query bucket (none per KV
+    length) and every batch replayed or captured, none run eagerly."""
+    eager = generate(model)
+    batches = Batches(monkeypatch)
+    with bcg_core.enable_continuous_batching(model) as handle:
+        graphed = generate(model)
+        stats = handle.stats()
+    assert graphed == eager
+    assert len(eager) == len(PROMPT_LENGTHS)
+    assert all(len(tokens) == NEW_TOKENS for tokens in eager.values())
+    # Prefill chunks and decode tokens shared batches: some batch had more queries than requests
+    # and fewer than the prompt tokens, and the query buckets took several sizes.
+    buckets = {bucket for bucket, _, _ in batches.seen}
+    assert len(buckets) >= 2
+    # One graph per query bucket, whatever the KV lengths: nothing of the KV is in a graph.
+    assert len({keys for _, _, keys in batches.seen}) > len(buckets)
+    assert stats.graphs == len(buckets)
+    assert stats.replays == len(batches.seen) - stats.graphs
+    assert stats.eager_calls == 0
+    # The engine's warm-up captured the largest bucket first; then each bucket is a multiple of
+    # the interval (or the cap) and holds its batch's true queries.
+    for bucket, queries, _ in batches.seen:
+        assert queries <= bucket and (bucket % 8 == 0 or bucket == 32)
+
+
+def test_kv_read_is_never_padded(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_kv_reads(make_model(), monkeypatch)
+
+
+def check_kv_reads(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every cache read (inside the break: at warm-up, capture and every replay) has exactly the
+    batch's keys, the engine's true length, never a padded bucket; one read per layer per
+    batch. The reads are observed (the cache's own update, called through)."""
+    reads: list[int] = []
+    original = PagedAttentionCache.update
+
+    def update(cache: Any, *args: Any, **kwargs: Any) -> Any:
+        key, value = original(cache, *args, **kwargs)
+        reads.append(key.shape[0])
+        return key, value
+
+    batches = Batches(monkeypatch)
+    monkeypatch.setattr(PagedAttentionCache, "update", update)
+    with bcg_core.enable_continuous_batching(model) as handle:
+        generate(model)
+        stats = handle.stats()
+    layers = model.config.num_hidden_layers
+    keys = [k for _, _, k in batches.seen]
+    assert stats.graphs == len({b for b, _, _ in batches.seen})
+    # A capture runs the step warm-ups + 1 times: twice (one warm-up).
+    runs_per_capture = 2
+    assert len(reads) == layers * (len(keys) + (runs_per_capture - 1) * stats.graphs)
+    assert set(reads) == set(keys)
+    assert reads[-layers:] == [keys[-1]] * layers
+
+
+def reference_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+) -> torch.Tensor:
+    """Variable-length causal attention computed per sequence (the query aligned to the end of
+    its keys, as flash attention's causal mask is), without GQA support, as the first torch
+    releases' varlen_attn: what the varlen break must feed, checked on the CPU."""
+    assert window_size == (-1, 0), "the break asks for causal attention"
+    out = []
+    for i in range(cu_q.numel() - 1):
+        qs = q[int(cu_q[i]) : int(cu_q[i + 1])].transpose(0, 1)
+        ks = k[int(cu_k[i]) : int(cu_k[i + 1])].transpose(0, 1)
+        vs = v[int(cu_k[i]) : int(cu_k[i + 1])].transpose(0, 1)
+        assert qs.shape[1] <= max_q and ks.shape[1] <= max_k
+        causal = torch.ones(qs.shape[1], ks.shape[1], dtype=torch.bool)
+        causal = causal.tril(ks.shape[1] - qs.shape[1])
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=causal, scale=scale
+        )
+        out.append(o.transpose(0, 1))
+    return torch.cat(out)
+
+
+def test_varlen_break_feeds_each_request_its_own_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The varlen break's packing (the cache's keys in batch order, cumulative lengths, causal
+    alignment, GQA by repeated heads) on the CPU, with a per-sequence reference kernel standing
+    in for torch's CUDA-only varlen_attn: greedy tokens equal the eager engine's (float32)."""
+    monkeypatch.setattr(cb, "_VARLEN_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(cb, "_varlen_attn", lambda: reference_varlen)
+    cb._varlen_keywords.cache_clear()
+    try:
+        model = make_model()
+        eager = generate(model)
+        with bcg_core.enable_continuous_batching(model, attention="varlen") as handle:
+            assert generate(model) == eager
+            assert handle.stats().graphs >= 2 and handle.stats().eager_calls == 0
+    finally:
+        cb._varlen_keywords.cache_clear()
+
+
+def test_varlen_is_refused_where_it_has_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model()
+    compute = vars(model_runner.ModelRunner)["compute_batch"]
+    with pytest.raises(ValueError, match='"paged" or "varlen"'):
+        bcg_core.enable_continuous_batching(model, attention="flash")  # type: ignore[arg-type]
+    if cb._varlen_attn() is not None:  # a torch with varlen_attn: its kernel is CUDA only
+        with pytest.raises(ValueError, match=r'CUDA kernel .* use attention="paged"'):
+            bcg_core.enable_continuous_batching(model, attention="varlen")
+    assert vars(model_runner.ModelRunner)["compute_batch"] is compute  # nothing patched
+    monkeypatch.setattr(cb, "_VARLEN_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(cb, "_varlen_attn", lambda: reference_varlen)
+    with (
+        bcg_core.enable_continuous_batching(model),
+        pytest.raises(ValueError, match=r"already enabled .* remove that handle first"),
+    ):
+        bcg_core.enable_continuous_batching(model, attention="varlen")
+
+
+def test_disabled_graphs_serve_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BCG_DISABLE=1 (read at every call, also on the engine's own thread): every batch runs the
+    model eagerly on the padded batch, attention included, and the tokens stay eager's."""
+    model = make_model()
+    eager = generate(model)
+    monkeypatch.setenv("BCG_DISABLE", "1")
+    with bcg_core.enable_continuous_batching(model) as handle:
+        assert generate(model) == eager
+        stats = handle.stats()
+    assert stats.graphs == 0 and stats.replays == 0 and stats.eager_calls > 0
+
+
+def test_remove_restores_transformers() -> None:
+    mapping = AttentionInterface._global_mapping
+    before = (
+        vars(model_runner.ModelRunner)["compute_batch"],
+        vars(model_runner.ModelRunner)["maybe_pad_inputs"],
+        mapping["paged|sdpa"],
+        mapping["paged|eager"],
+    )
+    model = make_model()
+    first = bcg_core.enable_continuous_batching(model)
+    second = bcg_core.enable_continuous_batching(model)
+    assert vars(model_runner.ModelRunner)["compute_batch"] is not before[0]
+    first.remove()
+    first.remove()  # idempotent
+    assert mapping["paged|sdpa"] is not before[2]  # the second handle still holds the patch
+    second.remove()
+    after = (
+        vars(model_runner.ModelRunner)["compute_batch"],
+        vars(model_runner.ModelRunner)["maybe_pad_inputs"],
+        mapping["paged|sdpa"],
+        mapping["paged|eager"],
+    )
+    assert after == before
+    assert not second.active
+
+
+def test_other_models_run_transformers_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    enabled, other = make_model(), make_model()
+    reference = generate(other)
+    with bcg_core.enable_continuous_batching(enabled) as handle:
+        assert generate(other) == reference
+        assert handle.stats().graphs == 0
+
+
+def test_unsupported_attention_is_refused_before_anything_changes() -> None:
+    model = make_model()
+    model.config._attn_implementation = "flex_attention"
+    compute = vars(model_runner.ModelRunner)["compute_batch"]
+    with pytest.raises(ValueError, match='attn_implementation="sdpa"'):
+        bcg_core.enable_continuous_batching(model)
+    assert vars(model_runner.ModelRunner)["compute_batch"] is compute
