@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+
+# torch's pytree, not _trees.py: dynamo traces this flattening, and nonstrict_trace uses it.
+import torch.utils._pytree as pytree  # noqa: PLC2701
 
 from bcg_core._errors import BreakOutputError
 
@@ -100,9 +102,7 @@ def call(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     return _unbox(out)
 
 
-def _apply(
-    function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Any, int]:
+def _apply(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
     """Run at trace time (dynamo's fake pass, then AOTAutograd's): the op call, traced."""
     flat, spec = pytree.tree_flatten(_unbox((args, kwargs)))
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
@@ -149,7 +149,9 @@ def _written_tensors(
     """Which of the call's tensors the fake function writes into: a dry run on fake copies
     (made in the tracing fake mode), comparing version counters."""
     _, fake, name = _functions[function_id]
-    copies = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in tensors]
+    copies = [
+        torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in tensors
+    ]
     versions = [c._version for c in copies]
     it = iter(copies)
     args, kwargs = pytree.tree_unflatten(
@@ -163,7 +165,9 @@ def _written_tensors(
             f"outputs ({type(exc).__name__}: {exc}); give the break a capture_stub that computes "
             "outputs of the same structure, shapes and dtypes without reading values"
         ) from exc
-    return tuple(i for i, (c, v) in enumerate(zip(copies, versions, strict=True)) if c._version != v)
+    return tuple(
+        i for i, (c, v) in enumerate(zip(copies, versions, strict=True)) if c._version != v
+    )
 
 
 def _call_args(layout: _Layout, mutated: list[Any], rest: list[Any]) -> tuple[Any, Any]:
