@@ -209,6 +209,7 @@ class CpuBackend:
     name = "cpu"
     device_type = "cpu"
     executes_at_capture = True
+    refuses_compiles = False
 
     def is_available(self) -> bool:
         return True

@@ -66,6 +66,7 @@ class CudaBackend:
     name = "cuda"
     device_type = "cuda"
     executes_at_capture = False
+    refuses_compiles = True
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()
