@@ -16,8 +16,8 @@ import torch
 from bcg_core._backends import CaptureStatus, GraphBackend, Segment
 from bcg_core._capture.aliases import alias_tree
 from bcg_core._capture.bridges import Bridge, PoolAddresses, contains_device_tensor
-from bcg_core._capture.context import active_capture, enter_capture, exit_capture
 from bcg_core._capture.compiles import as_capture_error, compiles_refused
+from bcg_core._capture.context import active_capture, enter_capture, exit_capture
 from bcg_core._capture.debug import DebugLevel, FreshTensorTracker, debug_level, report_leaks
 from bcg_core._capture.flag import breakable_graphs_disabled, disabled_reason
 from bcg_core._capture.gc_pause import gc_paused
