@@ -17,6 +17,7 @@ the op's mutated arguments, so the compiler orders reads and writes of them arou
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import uuid
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from bcg_core._errors import BreakOutputError
 # constant); anything else (modules, plain objects, symbolic ints) keeps a dynamo graph break.
 CONSTANT_TYPES = (int, float, bool, str, complex, torch.dtype, torch.device, torch.layout)
 
+logger = logging.getLogger("bcg_core")
 _lock = threading.Lock()
 _functions: dict[int, tuple[Callable[..., Any], Callable[..., Any], str]] = {}
 _function_ids = itertools.count()
@@ -160,11 +162,13 @@ def _written_tensors(
     try:
         fake(*args, **kwargs)
     except Exception as exc:
-        raise TypeError(
+        message = (
             f"bcg: {name} cannot run on fake tensors, which torch.compile needs to know its "
             f"outputs ({type(exc).__name__}: {exc}); give the break a capture_stub that computes "
             "outputs of the same structure, shapes and dtypes without reading values"
-        ) from exc
+        )
+        logger.error(message)  # dynamo reports its own error, with this one as the cause
+        raise TypeError(message) from exc
     return tuple(
         i for i, (c, v) in enumerate(zip(copies, versions, strict=True)) if c._version != v
     )
