@@ -164,9 +164,12 @@ def test_gated_break_reads_the_flag_at_run_time() -> None:
     on, off = BreakableCUDAGraph(backend="cpu"), BreakableCUDAGraph(backend="cpu")
     with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(on):
         compiled(x)
-    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(off):
-        with enable_breakable_cuda_graph(False):
-            compiled(x)
+    with (
+        enable_breakable_cuda_graph(),
+        BreakableCUDAGraphCapture(off),
+        enable_breakable_cuda_graph(False),
+    ):
+        compiled(x)
     assert on.break_names == ("cc.gated",)
     assert off.num_breaks == 0
 

@@ -13,7 +13,7 @@ from bcg_diffusion import DiTRunner, make_attention_ops_breakable
 
 pytest.importorskip("diffusers")
 
-from test_cpu_diffusers import flux_model  # noqa: E402
+from test_cpu_diffusers import flux_model
 
 
 def test_flux_with_breakable_attention_ops_is_one_dynamo_graph() -> None:
