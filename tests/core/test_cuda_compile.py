@@ -89,9 +89,12 @@ def test_a_recompile_inside_the_capture_is_a_capture_error() -> None:
         for _ in range(2):
             compiled(x, w, out)  # warmed up without grad...
     graph = BreakableCUDAGraph()
-    with pytest.raises(CaptureError, match="would compile inside the capture") as info:
-        with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
-            compiled(x, w, out)  # ...captured with grad: dynamo's grad-mode guard fails
+    with (
+        pytest.raises(CaptureError, match="would compile inside the capture") as info,
+        enable_breakable_cuda_graph(),
+        BreakableCUDAGraphCapture(graph),
+    ):
+        compiled(x, w, out)  # ...captured with grad: dynamo's grad-mode guard fails
     assert "guard failure" in str(info.value)
     assert_idle()
     graph.reset()
