@@ -222,3 +222,36 @@ def test_breakable_sdpa_llama_is_one_dynamo_graph() -> None:
         with enable_breakable_cuda_graph():
             explained = torch._dynamo.explain(decode)(torch.tensor([[7]]))
     assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+@eager_on_graph(name="cc.cache")
+def _append_and_read(x: torch.Tensor, cache: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    cache.index_copy_(0, slot, x)  # writes an argument and returns a tensor (attention with a
+    return cache.sum(0, keepdim=True) * 2  # KV-cache write): two ops, the read after the write
+
+
+def test_break_that_writes_and_returns_is_ordered_and_replays_right() -> None:
+    torch._dynamo.reset()
+
+    def step(x: torch.Tensor, cache: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        y = _append_and_read(x.exp(), cache, slot)
+        return y + cache[0]  # reads the written cache after the break
+
+    counter = _counter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    x, slot = torch.randn(1, 4), torch.tensor([1])
+    cache, reference = torch.zeros(3, 4), torch.zeros(3, 4)
+    torch.testing.assert_close(compiled(x, cache, slot), step(x, reference, slot), rtol=0, atol=0)
+    torch.testing.assert_close(cache, reference, rtol=0, atol=0)
+    assert counter.frame_count == 1
+    default = torch.compile(step, backend="aot_eager")
+    default(x, cache, slot)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        static = default(x, cache, slot)
+    assert graph.break_names == ("cc.cache",)
+    reference.copy_(cache)
+    x.copy_(torch.randn(1, 4))
+    graph.replay()
+    torch.testing.assert_close(static, step(x, reference, slot), rtol=0, atol=0)
+    torch.testing.assert_close(cache, reference, rtol=0, atol=0)

@@ -110,12 +110,14 @@ def _apply(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     key = _layout_for(function_id, flat, spec, tensors)
     layout = _layouts[key]
-    functional, mutating = _ops()
+    functional, mutating, take = _ops()
     if layout.mutated:
         mutated = [tensors[i] for i in layout.mutated]
         rest = [t for i, t in enumerate(tensors) if i not in layout.mutated]
         mutating(mutated, rest, key)
-        outs: list[torch.Tensor] = []
+        # Its tensor outputs come from a second op that reads the written tensors, so it runs
+        # after the write (torch cannot functionalize an op that writes and returns tensors).
+        outs = take(mutated, key)
     else:
         outs = functional([], tensors, key)
     assert layout.out_spec is not None  # set by the fake implementation the call just ran
@@ -220,8 +222,6 @@ def _real(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
     function, _, name = _functions[layout.function]
     args, kwargs = _call_args(layout, mutated, rest)
     flat, spec = _fresh_outputs(function(*args, **kwargs), [*mutated, *rest])
-    if layout.mutated:
-        _check_no_tensor_outputs(flat, name)
     if spec != layout.out_spec:
         raise BreakOutputError(
             f"break {name!r} returned {spec} at run time, but {layout.out_spec} when "
@@ -232,11 +232,9 @@ def _real(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
 
 def _fake(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     layout = _layout(key)
-    _, fake, name = _functions[layout.function]
+    _, fake, _ = _functions[layout.function]
     args, kwargs = _call_args(layout, mutated, rest)
     flat, spec = _fresh_outputs(fake(*args, **kwargs), [*mutated, *rest])
-    if layout.mutated:
-        _check_no_tensor_outputs(flat, name)
     leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat]
     with _lock:
         if layout.out_spec is None:
@@ -244,29 +242,44 @@ def _fake(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
     return [x for x in flat if isinstance(x, torch.Tensor)]
 
 
-def _check_no_tensor_outputs(flat: list[Any], name: str) -> None:
-    # torch cannot functionalize a custom op that both writes into arguments and returns
-    # tensors (auto_functionalize takes no list of tensor returns).
-    if any(isinstance(x, torch.Tensor) for x in flat):
-        raise TypeError(
-            f"bcg: break {name!r} writes into its tensor arguments and returns tensors; inside "
-            "torch.compile a break may do one or the other: return nothing (write every "
-            "result into an argument buffer) or write into nothing"
-        )
+# The outputs of the last writing op per layout, on this thread, until its take op reads them.
+_taken = threading.local()
+
+
+def _stash(key: str, outs: list[torch.Tensor]) -> None:
+    stash = getattr(_taken, "outs", None)
+    if stash is None:
+        stash = _taken.outs = {}
+    stash[key] = outs
+
+
+def _take(key: str, written: list[torch.Tensor]) -> list[torch.Tensor]:
+    outs: list[torch.Tensor] = _taken.outs.pop(key)
+    # An op's outputs may alias none of its inputs (the written tensors, here).
+    return _fresh_outputs(outs, written)[0]
 
 
 def _real_mut(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> None:
-    _real(mutated, rest, key)
+    _stash(key, _real(mutated, rest, key))
 
 
 def _fake_mut(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> None:
-    _fake(mutated, rest, key)
+    _stash(key, _fake(mutated, rest, key))
 
 
-def _ops() -> tuple[Any, Any]:
-    """``torch.ops.bcg.opaque`` (returns fresh tensors, writes nothing) and
-    ``torch.ops.bcg.opaque_mut`` (writes into ``mutated``, returns nothing), defined on first
-    use (a compile is running then)."""
+def _real_take(written: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+    return _take(key, written)
+
+
+def _fake_take(written: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+    return _take(key, written)
+
+
+def _ops() -> tuple[Any, Any, Any]:
+    """``torch.ops.bcg.opaque`` (returns fresh tensors, writes nothing),
+    ``torch.ops.bcg.opaque_mut`` (writes into ``mutated``, returns nothing) and
+    ``torch.ops.bcg.opaque_take`` (the tensors the last ``opaque_mut`` of a layout returned, on
+    this thread), defined on first use (a compile is running then)."""
     global _op
     with _lock:
         if _op is None:
@@ -284,5 +297,13 @@ def _ops() -> tuple[Any, Any]:
                 schema="(Tensor(a!)[] mutated, Tensor[] rest, str key) -> ()",
             )
             mutating.register_fake(_fake_mut)
-            _op = (torch.ops.bcg.opaque.default, torch.ops.bcg.opaque_mut.default)
+            take = torch.library.custom_op(
+                "bcg::opaque_take",
+                _real_take,
+                mutates_args=(),
+                schema="(Tensor[] written, str key) -> Tensor[]",
+            )
+            take.register_fake(_fake_take)
+            ops = torch.ops.bcg
+            _op = (ops.opaque.default, ops.opaque_mut.default, ops.opaque_take.default)
     return _op  # type: ignore[no-any-return]
