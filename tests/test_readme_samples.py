@@ -215,6 +215,42 @@ assert len(out) == len(prompts) and all(len(o.generated_tokens) == 4 for o in ou
 assert handle.stats().graphs >= 1 and handle.stats().eager_calls == 0, handle.stats()
 """
 
+# torch.compile's eager backend without fullgraph: CPU captures run compiled frames uncompiled
+# under the CPU recorder, which fullgraph refuses (DESIGN.md, "Breaks over compiled code").
+EAGER_COMPILE = """
+import torch
+_compile = torch.compile
+torch.compile = lambda fn, **kwargs: _compile(fn, backend="eager")
+"""
+
+COMPILE_TRANSFORMERS = (
+    TRANSFORMERS
+    + EAGER_COMPILE
+    + """
+from bcg_core import BreakableGraphRunner, breakable_attention
+model = transformers.AutoModelForCausalLM.from_config(
+    config, attn_implementation=breakable_attention("sdpa")
+).eval()
+cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+with torch.no_grad():
+    next_ids = model(input_ids=prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
+"""
+)
+
+COMPILE_DIFFUSERS = (
+    DIFFUSERS
+    + EAGER_COMPILE
+    + """
+from bcg_diffusion import DiTRunner, make_attention_ops_breakable
+"""
+)
+
+COMPILE_RUNNER_CHECK = """
+torch.compile = _compile
+assert runner.stats.captures == 1 and runner.stats.failed_captures == 0, runner.stats
+assert runner.stats.entries[0].breaks >= 1, runner.stats
+"""
+
 # (a line that is in the block, prelude, check after)
 PRELUDES: list[tuple[str, str, str]] = [
     ('name = breakable_attention("sdpa")', RECIPE, RECIPE_CHECK),
@@ -225,6 +261,8 @@ PRELUDES: list[tuple[str, str, str]] = [
     ("def attention(q, k, v, seq_lens_host):", CORE_RUNNER, CORE_RUNNER_CHECK),
     ('torch.compile(model, backend="eager")', COMPILE, COMPILE_CHECK),
     ("attention_classes=(MyAttention,)", DIFFUSION_RUNNER, DIFFUSION_RUNNER_CHECK),
+    ("# transformers: the recipe's bcg_sdpa model", COMPILE_TRANSFORMERS, COMPILE_RUNNER_CHECK),
+    ("# diffusers: a DiT's step compiled", COMPILE_DIFFUSERS, COMPILE_RUNNER_CHECK),
     ("enable_continuous_batching(model) as handle", CONTINUOUS_BATCHING, CONTINUOUS_BATCHING_CHECK),
 ]
 NEEDS = {
@@ -232,6 +270,8 @@ NEEDS = {
     RECIPE: "transformers",
     DIVERGENCE_TRANSFORMERS: "transformers",
     CONTINUOUS_BATCHING: "transformers",
+    COMPILE_TRANSFORMERS: "transformers",
+    COMPILE_DIFFUSERS: "diffusers",
 }
 
 

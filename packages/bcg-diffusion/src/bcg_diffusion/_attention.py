@@ -3,19 +3,20 @@
 While :func:`bcg_core.is_in_breakable_cuda_graph` is true, an adapted ``forward`` runs as one
 ``@eager_on_graph`` break: at capture it ends the graph segment and runs eagerly, at every replay
 it runs again on the capture-time inputs and its output is copied into the capture-time output.
-Otherwise it is the original forward, untouched. Whatever structure the forward returns (a
+Otherwise it is the original forward (one check of the flag). Under ``torch.compile`` an adapted
+attention op is one opaque op that makes this choice at run time; a patched method (whose first
+argument is a module) is a dynamo graph break instead. Whatever structure the forward returns (a
 tensor, a ``(out, lse)`` tuple, a NamedTuple, a dataclass) reaches the caller with its type: the
 bridge is the capture-time output itself, refreshed in place at every replay.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from bcg_core import eager_on_graph, is_in_breakable_cuda_graph
+from bcg_core import eager_on_graph
 from bcg_diffusion._patching import (
     PatchHandle,
     Removable,
@@ -46,15 +47,9 @@ def make_breakable_attention_forward(forward: Callable[..., Any]) -> Callable[..
         return forward  # already adapted
 
     name = f"{getattr(forward, '__qualname__', 'attention')}"
-
-    attention_break = eager_on_graph(name=name)(forward)
-
-    @functools.wraps(forward)
-    def adapted(*args: Any, **kwargs: Any) -> Any:
-        if not is_in_breakable_cuda_graph():
-            return forward(*args, **kwargs)
-        return attention_break(*args, **kwargs)
-
+    # gated: the flag is read when the call runs, so under torch.compile the call is one opaque
+    # op (nothing dynamo traces reads the flag) that decides at run time.
+    adapted = eager_on_graph(name=name, gated=True)(forward)
     setattr(adapted, _ORIGINAL, forward)
     return adapted
 

@@ -10,7 +10,13 @@ steps (20 by default) are one 20-step denoising loop's worth.
 
 Contenders: eager, one full CUDA graph (flag off, attention captured), bcg through
 :class:`DiTRunner` (``return_views=True``, as a graph replay returns nothing either) and
-torch.compile of the same step. Skipped with the reason when diffusers is not installed.
+torch.compile of the same step, then the compiled kernels: ``compiled_graph`` (the step compiled
+in the default mode, one plain CUDA graph) and ``bcg+compile`` (a runner over the compiled step,
+attention ops still the breaks), both checked bitwise against the compiled step. The
+torch.compile contender is compiled while bcg's patch is installed (the patched names are
+module globals, which its compiled code guards on), so its graph holds bcg's opaque attention
+ops, run with the flag off; its one-graph check holds. Skipped with the reason when diffusers
+is not installed.
 """
 
 from __future__ import annotations
@@ -24,15 +30,18 @@ from bcg_core.bench import (
     BenchContext,
     Contender,
     Measurement,
+    bcg_compile_contender,
     compile_contender,
+    compiled_graph_contender,
     full_graph_contender,
     runner_contender,
 )
 from bcg_diffusion._diffusers import make_attention_ops_breakable
 from bcg_diffusion._runner import DiTRunner
+from bcg_diffusion._tokens import replay_token_scope
 
 WORKLOAD = "flux"
-CONTENDERS = ("eager", "full_graph", "bcg", "torch.compile")
+CONTENDERS = ("eager", "full_graph", "bcg", "torch.compile", "compiled_graph", "bcg+compile")
 
 
 def flux_workload(ctx: BenchContext) -> list[Measurement]:
@@ -104,6 +113,11 @@ def flux_workload(ctx: BenchContext) -> list[Measurement]:
                 ctx.build(
                     "torch.compile",
                     lambda: compile_contender(ctx, step, step, exact_output),
+                ),
+                ctx.build("compiled_graph", lambda: compiled_graph_contender(ctx, step)),
+                ctx.build(
+                    "bcg+compile",
+                    lambda: bcg_compile_contender(ctx, step, replay_context=replay_token_scope),
                 ),
             ]
             case = f"{grid}x{grid} latents, {text_len} text tokens"

@@ -205,6 +205,7 @@ class CpuBackend:
     device_type = "cpu"
     alias_device_types: frozenset[str] = frozenset()
     executes_at_capture = True
+    refuses_compiles = False
 
     def is_available(self) -> bool:
         return True

@@ -65,6 +65,7 @@ class CudaBackend:
     device_type = "cuda"
     alias_device_types = frozenset({"cuda"})
     executes_at_capture = False
+    refuses_compiles = True
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()

@@ -100,6 +100,10 @@ class GraphBackend(Protocol):
     executes_at_capture: bool
     """True when recording a segment also runs it (CPU), so a faithful capture must not launch
     it again; False when capture only records (CUDA)."""
+    refuses_compiles: bool
+    """True when torch.compile may not compile during a capture (CUDA: compiling allocates and
+    synchronises on the capturing stream), so a capture refuses recompiles; False on the CPU
+    recorder, under which dynamo re-traces or skips frames (it guards on dispatch modes)."""
 
     def is_available(self) -> bool:
         """Whether this backend can capture on this machine."""

@@ -11,35 +11,13 @@ from typing import Any, TypeVar, overload
 
 import torch
 
+from bcg_core._capture import opaque
 from bcg_core._capture.context import active_capture
+from bcg_core._capture.flag import is_in_breakable_cuda_graph
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _is_compiling = torch.compiler.is_compiling
-
-
-def _call_break(
-    f: Callable[..., Any],
-    stub: Callable[..., Any] | None,
-    strict: bool,
-    name: str,
-    enable: bool,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    """Run break ``f``: recorded as a break when a capture is active, else a plain call."""
-    state = active_capture()
-    if state is None or state.in_break or not enable:
-        return f(*args, **kwargs)
-    return state.record_break(f, stub, strict, name, args, kwargs)
-
-
-# What a compiled function calls: dynamo graph-breaks at a dynamo-disabled function and runs it
-# eagerly at run time, so a capture around the compiled call records the break. (torch's lazy
-# form of torch.compiler.disable: importing dynamo up front would cost every process ~1 s.)
-_compiled_call_break = torch._disable_dynamo(  # type: ignore[attr-defined]
-    _call_break, recursive=True
-)
 
 
 # -- the break observer of the divergence check (_divergence.py) -------------------------------
@@ -87,6 +65,7 @@ def eager_on_graph(
     capture_stub: Callable[..., Any] | None = None,
     strict: bool = False,
     name: str | None = None,
+    gated: bool = False,
 ) -> Callable[[F], F]: ...
 
 
@@ -98,6 +77,7 @@ def eager_on_graph(
     capture_stub: Callable[..., Any] | None = None,
     strict: bool = False,
     name: str | None = None,
+    gated: bool = False,
 ) -> Any:
     """Mark a function (or method) as a break point of breakable CUDA graphs.
 
@@ -110,9 +90,18 @@ def eager_on_graph(
     ``strict=True`` returning a CUDA tensor fails at capture: write into an argument buffer.
 
     Outside a capture, inside another break, or with ``enable=False`` the function is simply
-    called. Inside a ``torch.compile``d function a break stays a break: dynamo graph-breaks at
-    it and calls it eagerly at run time (the function and everything it calls run uncompiled),
-    so a capture around the compiled call records it. Usable bare (``@eager_on_graph``) or
+    called. With ``gated=True`` it is a break only while :func:`is_in_breakable_cuda_graph` is
+    true, and otherwise simply called (the flag is read when the call runs, also in compiled
+    code: adapters that patch model code use this).
+
+    Inside a ``torch.compile``d function a break stays a break without breaking dynamo's graph:
+    a call whose arguments are tensors, numbers, strings, dtypes and devices in lists, tuples and
+    dicts is one opaque op (``bcg::opaque``) that inductor cannot see into or move work across,
+    and that runs this wrapper eagerly at run time, so a capture around the compiled call
+    records the break (``fullgraph=True`` works). To know the outputs, the compiler runs the
+    ``capture_stub`` (else the function) once on fake tensors; non-tensor return values are
+    frozen then. A call with other arguments (a module, a plain object) makes dynamo
+    graph-break there and call the wrapper eagerly. Usable bare (``@eager_on_graph``) or
     configured (``@eager_on_graph(strict=True)``); the wrapper keeps name and docstring.
 
     Args:
@@ -127,6 +116,9 @@ def eager_on_graph(
             returned tensors are copied into bridge buffers at every replay).
         name: the break's name in ``break_names``, logs and error messages (default: the
             function's ``__qualname__``).
+        gated: True makes the call a break only while the flag (``is_in_breakable_cuda_graph``)
+            is on, read when the call runs, so adapters need no flag read in code that
+            ``torch.compile`` traces (default False: a break whenever a capture is active).
 
     Returns:
         The wrapped function (bare use), or a decorator that wraps one.
@@ -147,10 +139,14 @@ def eager_on_graph(
 
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if _is_compiling():
-                return _compiled_call_break(
-                    f, capture_stub, strict, break_name, enable, args, kwargs
-                )
+            if _is_compiling():  # dynamo folds this to True while tracing; False at run time
+                if not enable:
+                    return f(*args, **kwargs)
+                if opaque.traceable(args, kwargs):
+                    return opaque.call(opaque_id, args, kwargs)
+                return graph_broken(*args, **kwargs)
+            if gated and not is_in_breakable_cuda_graph():
+                return f(*args, **kwargs)
             state = active_capture()
             if state is None:
                 if _observing and enable:
@@ -162,6 +158,12 @@ def eager_on_graph(
                 return f(*args, **kwargs)
             return state.record_break(f, capture_stub, strict, break_name, args, kwargs)
 
+        # The opaque op's real implementation is the wrapper itself (not compiling then).
+        opaque_id = opaque.register(wrapper, capture_stub or f, break_name)
+        # Dynamo graph-breaks at a dynamo-disabled function and calls it eagerly at run time.
+        # (torch's lazy form of torch.compiler.disable: importing dynamo up front would cost
+        # every process ~1 s.)
+        graph_broken = torch._disable_dynamo(wrapper, recursive=True)  # type: ignore[attr-defined]
         return wrapper
 
     return decorate if fn is None else decorate(fn)

@@ -16,6 +16,7 @@ import torch
 from bcg_core._backends import CaptureStatus, GraphBackend, Segment
 from bcg_core._capture.aliases import alias_tree
 from bcg_core._capture.bridges import Bridge, PoolAddresses, contains_device_tensor
+from bcg_core._capture.compiles import as_capture_error, compiles_refused
 from bcg_core._capture.context import (
     active_capture,
     captures_on_other_threads,
@@ -397,6 +398,7 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
             stack.enter_context(gc_paused())
             stack.enter_context(backend.stream_context(stream))
             stack.enter_context(stream_hooks(backend))
+            stack.enter_context(compiles_refused(backend.refuses_compiles))
             token = enter_capture(state, stream.cuda_stream)
             stack.callback(exit_capture, token, stream.cuda_stream)
             state.begin_segment()
@@ -426,6 +428,10 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
                 self.cuda_graph._finish_capture(state.steps, state.dropped)
             else:
                 self._fail(state, exc)
+                refused = as_capture_error(exc)
+                if refused is not None:
+                    refused.add_note(f"bcg: raised {state.where} of a breakable CUDA graph capture")
+                    raise refused from exc
 
     def _fail(self, state: CaptureState, exc: BaseException) -> None:
         # Asked before the stack closes: this capture is still registered, and so are others.

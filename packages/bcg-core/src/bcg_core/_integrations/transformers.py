@@ -26,6 +26,7 @@ import torch
 import torch.utils._python_dispatch
 from torch.overrides import TorchFunctionMode
 
+from bcg_core._capture import opaque
 from bcg_core._capture.breaks import breaks_observed, eager_on_graph
 from bcg_core._capture.context import is_breakable_capture_active
 from bcg_core._capture.flag import is_in_breakable_cuda_graph
@@ -178,9 +179,54 @@ def _make_breakable(
             )
         return out
 
-    attention.__name__ = attention.__qualname__ = f"{name}_attention_forward"
-    attention.__doc__ = f"{getattr(function, '__name__', function)}, as a bcg break point."
-    return attention
+    # Under torch.compile the whole attention call is one opaque op (nothing dynamo traces reads
+    # the flag or the capture), run at run time as the eager `attention` above. The op cannot
+    # take the module, so it gets the module attributes sdpa's function reads, on a stand-in.
+    def run_compiled(layer: tuple[Any, ...], *args: Any, **kwargs: Any) -> Any:
+        return attention(_StandIn(*layer), *args, **kwargs)
+
+    def fake_compiled(layer: tuple[Any, ...], *args: Any, **kwargs: Any) -> Any:
+        return function(_StandIn(*layer), *args, **kwargs)
+
+    opaque_id = opaque.register(run_compiled, fake_compiled, label)
+    graph_broken = torch._disable_dynamo(attention, recursive=True)  # type: ignore[attr-defined]
+
+    def breakable(module: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _is_compiling():
+            return attention(module, *args, **kwargs)
+        if kernel_only:
+            layer = _StandIn.describe(module)
+            if opaque.traceable((layer, args), kwargs):
+                return opaque.call(opaque_id, (layer, *args), kwargs)
+        return graph_broken(module, *args, **kwargs)  # other bases read any module attribute
+
+    breakable.__name__ = breakable.__qualname__ = f"{name}_attention_forward"
+    breakable.__doc__ = f"{getattr(function, '__name__', function)}, as a bcg break point."
+    return breakable
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
+class _StandIn:
+    """What transformers' sdpa attention function and bcg read from the attention module (the
+    key/value group count, ``is_causal``; the layer index and class name for errors), as
+    values an opaque op can take."""
+
+    def __init__(self, groups: int, is_causal: bool, layer_idx: int, cls: str) -> None:
+        self.num_key_value_groups = groups
+        self.is_causal = is_causal
+        self.layer_idx = layer_idx
+        self.class_name = cls
+
+    @staticmethod
+    def describe(module: Any) -> tuple[Any, ...]:
+        return (
+            getattr(module, "num_key_value_groups", 1),
+            getattr(module, "is_causal", True),
+            getattr(module, "layer_idx", -1),
+            type(module).__name__,
+        )
 
 
 _WINDOWED_LAYERS = ("sliding_attention", "chunked_attention")
@@ -223,7 +269,8 @@ def _refuse_sliding_window(module: Any, kwargs: dict[str, Any]) -> None:
     if why is None:
         return
     raise CaptureError(
-        f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) uses "
+        f"{getattr(module, 'class_name', type(module).__name__)} "
+        f"(layer {getattr(module, 'layer_idx', '?')}) uses "
         f"sliding-window attention ({why}): transformers keeps the position "
         "of sliding-window cache layers in a Python int, which a graph would freeze, so every "
         "replay at another position would use the capture's mask and positions. Capture only "

@@ -11,8 +11,11 @@ step is the same decode over the whole cache, and capture's warm-ups leave no tr
 Contenders: eager, one full CUDA graph (flag off, so attention is captured too), bcg through
 :class:`bcg_core.BreakableGraphRunner` (``return_views=True``, as a graph replay returns
 nothing either) and torch.compile of the same step with transformers' plain ``sdpa`` (the whole
-model compiled, as transformers documents for StaticCache). Skipped with the reason when
-transformers is not installed.
+model compiled, as transformers documents for StaticCache; checked to be one dynamo graph), then
+the compiled kernels: ``compiled_graph`` (``torch.compile(step)``, default mode, captured in one
+plain CUDA graph: the limit) and ``bcg+compile`` (the runner over that compiled step, attention
+still the break); both checked bitwise against the compiled step, capture ms include compiling.
+Skipped with the reason when transformers is not installed.
 """
 
 from __future__ import annotations
@@ -26,14 +29,18 @@ import torch
 from bcg_core import BreakableGraphRunner, breakable_attention
 from bcg_core.bench._harness import EAGER, FULL_GRAPH, BenchContext, Contender, Measurement
 from bcg_core.bench._workloads import (
+    BCG_COMPILE,
     COMPILE,
+    COMPILED_GRAPH,
+    bcg_compile_contender,
     compile_contender,
+    compiled_graph_contender,
     full_graph_contender,
     runner_contender,
 )
 
 WORKLOAD = "hf-llama"
-CONTENDERS = (EAGER, FULL_GRAPH, "bcg", COMPILE)
+CONTENDERS = (EAGER, FULL_GRAPH, "bcg", COMPILE, COMPILED_GRAPH, BCG_COMPILE)
 
 
 def hf_llama_workload(ctx: BenchContext) -> list[Measurement]:
@@ -119,7 +126,9 @@ def _case(
             Contender(EAGER, step),
             ctx.build(FULL_GRAPH, lambda: full_graph_contender(ctx, step, step)),
             ctx.build("bcg", lambda: runner_contender(ctx, runner, step)),
-            ctx.build(COMPILE, make_compile),
+            ctx.build(COMPILE, make_compile),  # first: its one-graph check resets dynamo
+            ctx.build(COMPILED_GRAPH, lambda: compiled_graph_contender(ctx, step)),
+            ctx.build(BCG_COMPILE, lambda: bcg_compile_contender(ctx, step)),
         ]
         try:
             return ctx.compare(WORKLOAD, f"batch={batch}", contenders)

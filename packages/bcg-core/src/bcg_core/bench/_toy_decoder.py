@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bcg_core import eager_on_graph, is_in_breakable_cuda_graph
+from bcg_core import eager_on_graph
 
 __all__ = [
     "Attention",
@@ -246,7 +246,8 @@ def attention_core(
     return out.reshape(batch, heads * head_dim)
 
 
-_attention_break = eager_on_graph(name="toy_decoder.attention")(attention_core)
+# gated: the flag is read when the call runs, not in code torch.compile traces
+_attention_break = eager_on_graph(name="toy_decoder.attention", gated=True)(attention_core)
 
 AttentionFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -308,10 +309,7 @@ class Attention(nn.Module):
             raise ValueError(
                 f"batch {q.shape[0]} exceeds the KV cache's batch {self.k_cache.shape[0]}"
             )
-        if self.attention_override is not None:
-            core = self.attention_override
-        else:
-            core = _attention_break if is_in_breakable_cuda_graph() else attention_core
+        core = self.attention_override or _attention_break
         return core(q, k, v, self.k_cache, self.v_cache, positions)
 
 

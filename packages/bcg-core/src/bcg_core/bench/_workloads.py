@@ -30,6 +30,8 @@ Workload = Callable[[BenchContext], list[Measurement]]
 
 PEER = "breakable-cuda-graphs"
 COMPILE = "torch.compile"
+COMPILED_GRAPH = "compiled_graph"
+BCG_COMPILE = "bcg+compile"
 
 
 def discover() -> dict[str, Workload]:
@@ -283,6 +285,9 @@ def compile_contender(
     """
     if ctx.device.type != "cuda" or ctx.smoke:
         return Contender(COMPILE, None, skipped="needs CUDA and a full run (not --smoke)")
+    graphs = _dynamo_graphs(step)
+    if graphs != 1:  # a fair torch.compile is one graph: no bcg patch or break in the step
+        return Contender(COMPILE, None, skipped=f"the step traces to {graphs} dynamo graphs")
     compiled = torch.compile(step, mode="reduce-overhead")
     # Its "capture" is compiling plus cudagraph-trees recording: the three calls it takes.
     _, ms = ctx.timed(lambda: [compiled() for _ in range(3)][-1])
@@ -297,6 +302,101 @@ def compile_contender(
         return _max_error(out, truth) <= 2 * eager_error + 1e-6
 
     return Contender(COMPILE, compiled, capture_ms=ms, check=check)
+
+
+def _dynamo_graphs(step: Callable[[], torch.Tensor]) -> int:
+    """How many graphs dynamo cuts the step into (runs the step once, uncompiled kernels)."""
+    # explain resets dynamo before and after: call it before compiling anything the timing uses
+    graphs: int = torch._dynamo.explain(step)().graph_count
+    return graphs
+
+
+def _compiled_only(ctx: BenchContext, name: str) -> Contender | None:
+    if ctx.device.type != "cuda" or ctx.smoke:
+        return Contender(name, None, skipped="needs CUDA and a full run (not --smoke)")
+    return None
+
+
+def compiled_graph_contender(ctx: BenchContext, step: Callable[[], torch.Tensor]) -> Contender:
+    """The limit for compiled kernels: ``torch.compile(step)`` in one plain CUDA graph.
+
+    Default mode, ``fullgraph``; its breaks, with the flag off, run inside it. Checked bitwise
+    against the compiled step run without a graph; capture ms are the compile (warm-ups) plus
+    the capture.
+
+    Args:
+        ctx: the bench context.
+        step: the step to compile and capture, returning its output tensor.
+
+    Returns:
+        The ``compiled_graph`` contender (skipped without CUDA and in ``--smoke``).
+    """
+    skipped = _compiled_only(ctx, COMPILED_GRAPH)
+    if skipped is not None:
+        return skipped
+    compiled = torch.compile(step, fullgraph=True)
+    graph = torch.cuda.CUDAGraph()
+
+    def build() -> torch.Tensor:
+        _warm(compiled, ctx.device, iters=3)
+        torch._C._cuda_clearCublasWorkspaces()  # see full_graph_contender
+        with torch.cuda.graph(graph):
+            out: torch.Tensor = compiled()
+        return out
+
+    out, ms = ctx.timed(build)
+    graph.replay()
+    assert isinstance(out, torch.Tensor)
+    return Contender(
+        COMPILED_GRAPH,
+        graph.replay,
+        capture_ms=ms,
+        segments=1,
+        keep_alive=(step, compiled),
+        check=replay_check(ctx, _replaying(graph.replay, out), compiled),
+    )
+
+
+def bcg_compile_contender(
+    ctx: BenchContext, step: Callable[[], torch.Tensor], **runner_options: Any
+) -> Contender:
+    """bcg over compiled kernels: a runner over ``torch.compile(step)``.
+
+    Default mode, ``fullgraph``; the breaks stay breaks (opaque ops). Checked bitwise against
+    the compiled step run without a graph; capture ms are the compile (the runner's warm-ups)
+    plus the capture.
+
+    Args:
+        ctx: the bench context.
+        step: the step to compile, returning its output tensor.
+        **runner_options: passed to :class:`bcg_core.BreakableGraphRunner`.
+
+    Returns:
+        The ``bcg+compile`` contender (skipped without CUDA and in ``--smoke``).
+    """
+    skipped = _compiled_only(ctx, BCG_COMPILE)
+    if skipped is not None:
+        return skipped
+    compiled = torch.compile(step, fullgraph=True)
+    runner = BreakableGraphRunner(compiled, device=ctx.device, return_views=True, **runner_options)
+    _, ms = ctx.timed(runner.capture)
+    if not runner.stats.entries:
+        return Contender(BCG_COMPILE, None, skipped=f"capture failed: {runner.blocked_signatures}")
+    entry = runner.stats.entries[0]
+
+    def call() -> torch.Tensor:
+        out: torch.Tensor = runner()
+        return out
+
+    return Contender(
+        BCG_COMPILE,
+        call,
+        capture_ms=ms,
+        pool_mb=None if entry.pool_bytes is None else entry.pool_bytes / 2**20,
+        segments=entry.segments,
+        keep_alive=(step, compiled, runner),
+        check=replay_check(ctx, call, compiled),
+    )
 
 
 def _max_error(a: torch.Tensor, exact: torch.Tensor) -> float:
@@ -370,6 +470,8 @@ def _decoder_case(
                     lambda: decode_step(exact_model(), batch)(),
                 ),
             ),
+            ctx.build(COMPILED_GRAPH, lambda: compiled_graph_contender(ctx, step)),
+            ctx.build(BCG_COMPILE, lambda: bcg_compile_contender(ctx, step)),
         ]
         return ctx.compare("decoder", f"batch={batch}", contenders)
 
