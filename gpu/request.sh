@@ -14,6 +14,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt
 timeout 200 python3 -m pytest -p no:cacheprovider -q -rs -m cuda \
   tests/core/test_divergence_first_contact.py tests/core/test_divergence_recipes.py \
   tests/core/test_divergence.py tests/diffusion/test_divergence_diffusers.py \
+  tests/core/test_cuda_transformers.py \
   2>&1 | tee "$out/cuda_divergence.log" | tail -30
 python3 benchmarks/divergence_demo.py --backend cuda > "$out/divergence_demo.log" 2>&1
 echo "divergence_demo rc=$?" >> "$out/divergence_demo.log"
