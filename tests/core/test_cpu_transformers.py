@@ -83,8 +83,11 @@ def runner_and_caches(
     return BreakableGraphRunner(decode, device=device, **runner_kwargs), cache, reference_cache
 
 
-def decode_through_runner(model: Any, steps: int, device: str = "cpu") -> None:
-    """Greedy decode: the runner's graph against eager on a second cache, bitwise, per step."""
+def decode_through_runner(
+    model: Any, steps: int, device: str = "cpu", mask_breaks: int = 0
+) -> None:
+    """Greedy decode: the runner's graph against eager on a second cache, bitwise, per step.
+    ``mask_breaks``: the mask functions the forward calls as breaks (bases other than sdpa)."""
     prompt = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
     runner, cache, reference_cache = runner_and_caches(model, prompt, device)
     ids = prompt[:, -1:].flip(0)
@@ -94,8 +97,9 @@ def decode_through_runner(model: Any, steps: int, device: str = "cpu") -> None:
         for t, s in zip(cache_tensors(cache), saved, strict=True):
             t.copy_(s)  # ...so put it back where it was, in place
         (entry,) = runner.stats.entries
-        assert entry.breaks == model.config.num_hidden_layers
-        assert entry.segments == entry.breaks + 1
+        assert entry.breaks == model.config.num_hidden_layers + mask_breaks
+        # adjacent mask breaks leave empty segments between them, which are dropped
+        assert entry.segments == entry.breaks + 1 - max(mask_breaks - 1, 0)
         for _ in range(steps):
             got = runner(ids)
             expected = model(input_ids=ids, past_key_values=reference_cache, use_cache=True).logits
@@ -115,7 +119,9 @@ def test_static_cache_decode_replays_equal_eager(family: str) -> None:
 @pytest.mark.parametrize("base", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
 def test_more_families_decode_equal_eager(family: str, base: str) -> None:
-    decode_through_runner(_model(family, bcg_core.breakable_attention(base)), steps=3)
+    masks = 0 if base == "sdpa" else 2 if family == "gemma2" else 1  # gemma2: full and sliding
+    model = _model(family, bcg_core.breakable_attention(base))
+    decode_through_runner(model, steps=3, mask_breaks=masks)
 
 
 def test_sliding_window_is_refused_and_the_runner_stays_eager() -> None:
@@ -221,7 +227,24 @@ def test_sdpa_on_the_math_backend_breaks_at_the_sdpa_call() -> None:
 def test_eager_base_uses_the_models_own_eager_attention() -> None:
     name = bcg_core.breakable_attention("eager")
     assert name == "bcg_eager"
-    decode_through_runner(_model("qwen3", name), steps=3)
+    decode_through_runner(_model("qwen3", name), steps=3, mask_breaks=1)
+
+
+def test_eager_mask_is_a_break_and_sdpa_mask_is_captured() -> None:
+    """eager's mask function makes its fill value with a pageable host-to-device copy, which a
+    CUDA capture refuses (the CPU backend cannot see it: test_cuda_transformers shows it), so
+    bcg_eager runs the mask as a break, before the layers; bcg_sdpa's mask stays in the graph."""
+    from transformers.masking_utils import eager_mask
+
+    layers = FAMILIES["llama"]().num_hidden_layers
+    breaks, _, _ = captured_breaks(_model("llama", bcg_core.breakable_attention("eager")))
+    assert [b.name for b in breaks] == [
+        "transformers mask (bcg_eager)",
+        *["transformers attention (bcg_eager)"] * layers,
+    ]
+    assert breaks[0].fn is eager_mask
+    breaks, _, _ = captured_breaks(_model("llama", bcg_core.breakable_attention("sdpa")))
+    assert [b.name for b in breaks] == ["transformers attention (bcg_sdpa)"] * layers
 
 
 def test_mask_is_registered_with_the_attention() -> None:

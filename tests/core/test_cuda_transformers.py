@@ -18,21 +18,22 @@ from test_cpu_transformers import FAMILIES, captured_breaks, decode_through_runn
 pytestmark = pytest.mark.cuda
 
 
+@pytest.mark.parametrize("base", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_static_cache_decode_replays_equal_eager_on_cuda(family: str) -> None:
+def test_static_cache_decode_replays_equal_eager_on_cuda(family: str, base: str) -> None:
     import transformers
 
     torch.manual_seed(0)
     model = (
         transformers.AutoModelForCausalLM.from_config(
             FAMILIES[family](),
-            attn_implementation=bcg_core.breakable_attention("sdpa"),
+            attn_implementation=bcg_core.breakable_attention(base),
             dtype=torch.bfloat16,
         )
         .to("cuda")
         .eval()
     )
-    decode_through_runner(model, steps=3, device="cuda")
+    decode_through_runner(model, steps=3, device="cuda", mask_breaks=int(base != "sdpa"))
 
 
 FUSED = {

@@ -26,8 +26,9 @@ def double(h: torch.Tensor) -> torch.Tensor:
 
 
 def _x(seed: int, *shape: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(shape or (2, 4), generator=gen).to(torch.get_default_device())
+    # A generator on the test's device: on CUDA, randn refuses a CPU generator.
+    gen = torch.Generator(torch.get_default_device()).manual_seed(seed)
+    return torch.randn(shape or (2, 4), generator=gen)
 
 
 # -- a result written into an argument ----------------------------------------------------------

@@ -111,7 +111,9 @@ def breakable_attention(base: str = "sdpa") -> str:
         attention_interface.register(name, _make_breakable(function, name, kernel_only))
         mask = mask_interface._global_mapping.get(base)
         if mask is not None:
-            mask_interface.register(name, mask)
+            # sdpa's mask is captured (tested on CUDA); any other base's may not be: eager's
+            # fill value is torch.tensor(0.0, device=...), a pageable copy a capture refuses.
+            mask_interface.register(name, mask if base == "sdpa" else _mask_as_break(mask, name))
         _registered[base] = name
         return name
 
@@ -258,6 +260,20 @@ def _sliding_window(module: Any, kwargs: dict[str, Any]) -> str | None:
     if window and getattr(config, "use_sliding_window", True):
         return f"config.sliding_window={window}"
     return None
+
+
+def _mask_as_break(mask: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``mask`` as one break under the flag: it runs eagerly at every replay, reading the
+    cache position tensor at its captured address, and the next segment reads its output."""
+    as_break = eager_on_graph(name=f"transformers mask ({name})")(mask)
+
+    def mask_function(*args: Any, **kwargs: Any) -> Any:
+        if not is_in_breakable_cuda_graph():
+            return mask(*args, **kwargs)
+        return as_break(*args, **kwargs)
+
+    mask_function.__name__ = mask_function.__qualname__ = f"{name}_mask"
+    return mask_function
 
 
 def _refuse_sliding_window(module: Any, kwargs: dict[str, Any]) -> None:
