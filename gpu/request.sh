@@ -12,6 +12,6 @@ mkdir -p "$OUT"
 timeout 120 python3 gpu/profile_capture.py --sizes 256,128,64,8,1 >"$OUT/profile.txt" 2>&1
 echo "profile rc=$?"; tail -60 "$OUT/profile.txt"
 # 2. The capture-scale workload at 8B dims, for the ratio after this branch's cuts.
-timeout 50 python3 -m bcg_core bench capture-scale --json "$OUT/capture-scale.json" \
+timeout 100 python3 -m bcg_core bench capture-scale --json "$OUT/capture-scale.json" \
   >"$OUT/capture-scale.txt" 2>&1
 echo "capture-scale rc=$?"; tail -30 "$OUT/capture-scale.txt"

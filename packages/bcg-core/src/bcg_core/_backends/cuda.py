@@ -47,10 +47,14 @@ class CudaSegment:
         info = RUNTIME.capture_info(self._stream)
         nodes = RUNTIME.graph_node_count(info.graph)
         self._empty = nodes == 0
+        if not self._empty:
+            # Most segments: no warning to silence, so no catch_warnings (it copies the filter
+            # list on every call).
+            self._graph.capture_end()
+            return
         with warnings.catch_warnings():
             # torch warns about empty graphs; an empty segment is expected between adjacent breaks.
-            if self._empty:
-                warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+            warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
             self._graph.capture_end()
 
     def launcher(self) -> Callable[[], None]:
