@@ -1,21 +1,17 @@
 #!/usr/bin/env bash
-# Issue 22 (branch first): the CUDA tests this branch adds or touches, on the H200.
-# Runs from the repo root; $OUT gets the pytest logs. Diffusers tests skip unless diffusers is
-# carried (tools/device_run.sh installs wheels into /tmp/bcg-site).
+# GPU request of the scale branch (issue 23, capture-block cost): where a capture block's time
+# goes, plain graphs against bcg graphs at 8B dims; runs from the repo root with $OUT as the
+# output folder, in under 3 minutes on one H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-/tmp/out}"
-mkdir -p "$out"
-site="${BCG_SITE:-/tmp/bcg-site}"
-[ -d "$site" ] || site=""
-export PYTHONPATH="packages/bcg-core/src:packages/bcg-diffusion/src${site:+:$site}"
+export PYTHONPATH="packages/bcg-core/src:packages/bcg-diffusion/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
-timeout 200 python3 -m pytest -p no:cacheprovider -q -rs -m cuda \
-  tests/core/test_divergence_first_contact.py tests/core/test_divergence_recipes.py \
-  tests/core/test_divergence.py tests/diffusion/test_divergence_diffusers.py \
-  tests/core/test_cuda_transformers.py \
-  2>&1 | tee "$out/cuda_divergence.log" | tail -30
-python3 benchmarks/divergence_demo.py --backend cuda > "$out/divergence_demo.log" 2>&1
-echo "divergence_demo rc=$?" >> "$out/divergence_demo.log"
-tail -12 "$out/divergence_demo.log"
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+# 1. Phase times and cProfile of capture blocks (8B dims, 32 layers, 5 sizes).
+timeout 120 python3 gpu/profile_capture.py --sizes 256,128,64,8,1 >"$OUT/profile.txt" 2>&1
+echo "profile rc=$?"; tail -60 "$OUT/profile.txt"
+# 2. The capture-scale workload at 8B dims, for the ratio after this branch's cuts.
+timeout 100 python3 -m bcg_core bench capture-scale --json "$OUT/capture-scale.json" \
+  >"$OUT/capture-scale.txt" 2>&1
+echo "capture-scale rc=$?"; tail -30 "$OUT/capture-scale.txt"
