@@ -44,18 +44,12 @@ class CudaSegment:
 
     def capture_end(self) -> None:
         assert self._stream is not None, "capture_end() without capture_begin()"
-<<<<<<< HEAD
         self._empty = RUNTIME.capture_node_count(self._stream) == 0
-=======
-        info = RUNTIME.capture_info(self._stream)
-        nodes = RUNTIME.graph_node_count(info.graph)
-        self._empty = nodes == 0
         if not self._empty:
             # Most segments: no warning to silence, so no catch_warnings (it copies the filter
             # list on every call).
             self._graph.capture_end()
             return
->>>>>>> scale
         with warnings.catch_warnings():
             # torch warns about empty graphs; an empty segment is expected between adjacent breaks.
             warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
