@@ -6,6 +6,8 @@
 #   bench    the full `bcg bench` (every installed workload), JSON + PNG
 #   demo     `bcg demo`
 #   scripts  benchmarks/bench_core.py and benchmarks/bench_dit.py
+#   stress   the stress suite's long form (BCG_STRESS_CYCLES, default 12000) under faulthandler
+#   probes   the GPU probes in gpu/ (compiled breaks, capture profile), logs only
 # `bcg` runs from the installed wheels because workloads are found through entry points, which
 # need installed metadata. Logs and results are written to a scratch folder and packed into
 # $OUT/results.tgz on exit (the device tool brings back at most 8 files).
@@ -25,8 +27,20 @@ for phase in "${phases[@]}"; do
   start=$SECONDS
   case "$phase" in
     tests)
-      timeout 240 tools/device_tests.sh -m cuda -q -rfE > "$out/cuda_tests.log" 2>&1
+      timeout "${BCG_TESTS_TIMEOUT:-300}" tools/device_tests.sh -m cuda -q -rfE --tb=short \
+        > "$out/cuda_tests.log" 2>&1
       tail -4 "$out/cuda_tests.log" ;;
+    stress)
+      BCG_STRESS_CYCLES="${BCG_STRESS_CYCLES:-12000}" \
+        PYTHONPATH=packages/bcg-core/src:packages/bcg-diffusion/src timeout 300 \
+        python3 -X faulthandler -m pytest -p no:cacheprovider -q -s -rfE --tb=short -k cuda \
+        tests/core/test_stress.py > "$out/stress.log" 2>&1
+      echo "stress rc=$?"; grep -E "stress\[|passed|failed" "$out/stress.log" | tail -3 ;;
+    probes)
+      export PYTHONPATH=packages/bcg-core/src:packages/bcg-diffusion/src:/tmp/bcg-site
+      timeout 200 python3 gpu/probe_compile.py > "$out/probe_compile.log" 2>&1
+      echo "probe_compile rc=$?"; grep -E "^\[" "$out/probe_compile.log" | cut -c1-200
+      unset PYTHONPATH ;;
     bench)
       PYTHONPATH=/tmp/bcg-site timeout "${BCG_BENCH_TIMEOUT:-360}" python3 -m bcg_core bench "$@" \
         --json "$out/bench.json" --plot "$out/bench.png" > "$out/bench.log" 2>&1

@@ -178,6 +178,8 @@ def _snapshot_segments(want: tuple[int, ...]) -> list[dict[str, Any]]:
 def _recover(pool: Any) -> None:
     _end_pool_routing(pool)
     _end_generator_capture()
+    if isinstance(pool, CudaPool):
+        pool.renew()  # the old id may still be routed to by the pinned-host allocator
 
 
 def _end_generator_capture() -> None:
@@ -196,7 +198,7 @@ def _end_generator_capture() -> None:
 def _end_pool_routing(pool: Any) -> None:
     # torch's capture_end raises before it stops routing allocations to the pool when
     # cudaStreamEndCapture fails; stop the device allocator's routing here. (The pinned-host
-    # allocator's routing cannot be stopped from Python: the graph moves to a fresh pool.)
+    # allocator's routing cannot be stopped from Python: the pool moves to a fresh id.)
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     if end is None:
         return

@@ -28,6 +28,19 @@ class CudaPool:
     """
 
     def __init__(self) -> None:
+        self.id: Any = None
+        self._anchor = torch.cuda.CUDAGraph()
+        self.renew()
+
+    def renew(self) -> None:
+        """Move to a fresh pool id, anchored the same way.
+
+        A capture that failed half-way can leave torch routing allocations to the old id in its
+        pinned-host allocator, which Python cannot stop; every later capture into that id then
+        fails ("beginAllocateToPool: already recording to mempool_id"). Graphs captured into the
+        old id keep its memory (torch counts their use) and replay as before; later captures
+        through this object go to the new id.
+        """
         self.id = torch.cuda.graph_pool_handle()
         self._anchor = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
