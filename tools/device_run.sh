@@ -15,7 +15,7 @@
 # (BCG_BENCH_TIMEOUT=SECONDS for a longer bench, e.g. `hf-llama flux --repeats 15` alone)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-dest="${OUT:-device-out}"; out=/tmp/bcg-results; rm -rf "$out"; mkdir -p "$dest" "$out"
+dest="${OUT:-device-out}"; out="${BCG_SCRATCH:-/tmp/bcg-results}"; rm -rf "$out"; mkdir -p "$dest" "$out"
 trap 'tar czf "$dest/results.tgz" -C "$out" .' EXIT
 export PYTHONUNBUFFERED=1
 phases=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do phases+=("$1"); shift; done
