@@ -168,7 +168,7 @@ def reference_varlen(
         ks = k[int(cu_k[i]) : int(cu_k[i + 1])].transpose(0, 1)
         vs = v[int(cu_k[i]) : int(cu_k[i + 1])].transpose(0, 1)
         assert qs.shape[1] <= max_q and ks.shape[1] <= max_k
-        causal = torch.ones(qs.shape[1], ks.shape[1], dtype=torch.bool)
+        causal = torch.ones(qs.shape[1], ks.shape[1], dtype=torch.bool, device=qs.device)
         causal = causal.tril(ks.shape[1] - qs.shape[1])
         o = torch.nn.functional.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=causal, scale=scale

@@ -29,7 +29,7 @@ class CudaPool:
 
     def __init__(self) -> None:
         self.id: Any = None
-        self._anchor = torch.cuda.CUDAGraph()
+        self._anchors: list[torch.cuda.CUDAGraph] = []
         self.renew()
 
     def renew(self) -> None:
@@ -39,17 +39,20 @@ class CudaPool:
         pinned-host allocator, which Python cannot stop; every later capture into that id then
         fails ("beginAllocateToPool: already recording to mempool_id"). Graphs captured into the
         old id keep its memory (torch counts their use) and replay as before; later captures
-        through this object go to the new id.
+        through this object go to the new id. The old id stays anchored for this object's
+        lifetime: freeing a pool that an allocator still routes to would leave it routing into
+        freed memory.
         """
         self.id = torch.cuda.graph_pool_handle()
-        self._anchor = torch.cuda.CUDAGraph()
+        anchor = torch.cuda.CUDAGraph()
+        self._anchors.append(anchor)
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
             # relaxed: the anchor must not disturb (or be disturbed by) captures on other threads
-            self._anchor.capture_begin(pool=self.id, capture_error_mode="relaxed")
-            self._anchor.capture_end()
+            anchor.capture_begin(pool=self.id, capture_error_mode="relaxed")
+            anchor.capture_end()
 
     def __repr__(self) -> str:
         return f"CudaPool(id={self.id})"
