@@ -67,7 +67,9 @@ _free: dict[int, list[CaptureLane]] = {}
 
 def lease_lane(pool: Any, index: int) -> CaptureLane:
     """The lane of ``pool`` on device ``index``, leased on its first capture."""
-    key = (index, *pool_id(pool))
+    # A CudaPool is keyed by the object (its id changes when a failed capture renews it);
+    # a bare pool id by the id.
+    key = (index, id(pool)) if isinstance(pool, CudaPool) else (index, *pool_id(pool))
     with _lock:
         lane = _leased.get(key)
         if lane is None:

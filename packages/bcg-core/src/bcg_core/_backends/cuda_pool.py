@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,6 +16,11 @@ import torch
 from bcg_core._backends.seam import pool_id
 
 logger = logging.getLogger("bcg_core")
+
+
+# Anchors of pool ids a failed capture may have left routed to (see CudaPool.renew).
+_retired_lock = threading.Lock()
+_retired: list[torch.cuda.CUDAGraph] = []
 
 
 class CudaPool:
@@ -29,7 +35,7 @@ class CudaPool:
 
     def __init__(self) -> None:
         self.id: Any = None
-        self._anchors: list[torch.cuda.CUDAGraph] = []
+        self._anchor: torch.cuda.CUDAGraph | None = None
         self.renew()
 
     def renew(self) -> None:
@@ -39,13 +45,15 @@ class CudaPool:
         pinned-host allocator, which Python cannot stop; every later capture into that id then
         fails ("beginAllocateToPool: already recording to mempool_id"). Graphs captured into the
         old id keep its memory (torch counts their use) and replay as before; later captures
-        through this object go to the new id. The old id stays anchored for this object's
-        lifetime: freeing a pool that an allocator still routes to would leave it routing into
-        freed memory.
+        through this object go to the new id. The old id stays anchored for the process's
+        lifetime (its memory is never returned): freeing a pool that an allocator still routes
+        to would leave it routing into freed memory, which crashed the H200 stress run.
         """
+        if self._anchor is not None:
+            with _retired_lock:
+                _retired.append(self._anchor)
         self.id = torch.cuda.graph_pool_handle()
-        anchor = torch.cuda.CUDAGraph()
-        self._anchors.append(anchor)
+        anchor = self._anchor = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), warnings.catch_warnings():
