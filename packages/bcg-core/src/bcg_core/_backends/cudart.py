@@ -9,10 +9,12 @@ status is active"), and the array pointer lives only until the next call on the 
 process that had just had a capture invalidated died there with SIGSEGV (issue 21). So:
 
 - the status comes from ``cudaStreamIsCapturing`` (status only, no handles);
-- the node count comes from the driver's ``cuStreamGetCaptureInfo`` through ctypes, with NULL
-  for every array (``_v3``, else ``_v2``: the same leading parameters), and the graph handle is
-  read, and handed to ``cuGraphGetNodes`` with a NULL node array, only when that same call said
-  ACTIVE. Without a loadable driver library the count is unknown and no segment is empty.
+- the node count comes from ``cudaStreamGetCaptureInfo`` called only after
+  ``cudaStreamIsCapturing`` said ACTIVE (then its arrays are filled), and its graph handle goes
+  to ``cudaGraphGetNodes`` (no node array) only when that call said ACTIVE too. (Hand-written
+  ctypes calls of the driver's ``cuStreamGetCaptureInfo`` with NULL arrays, tried first,
+  crashed on the H200 under two capturing threads: signatures the bindings own are safer.)
+  When the bindings cannot tell, the count is unknown and no segment is treated as empty.
 
 If cuda-bindings is missing or cannot talk to the driver, the status comes from torch's own
 query (one warning, once).
@@ -20,7 +22,6 @@ query (one warning, once).
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import warnings
 from types import ModuleType
@@ -57,62 +58,6 @@ def parse_is_capturing(result: tuple[Any, ...]) -> CaptureInfo:
 
 
 _CAPTURE_IMPLICIT = 906  # cudaErrorStreamCaptureImplicit
-
-
-class _Driver:
-    """``cuStreamGetCaptureInfo`` and ``cuGraphGetNodes`` from the driver library, called
-    with NULL for every output array (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._loaded = False
-        self._info: Any = None
-        self._info_arrays = 0  # NULL array parameters after graph_out: 3 for _v3, 2 for _v2
-        self._nodes: Any = None
-
-    def _load(self) -> None:
-        with self._lock:
-            if self._loaded:
-                return
-            self._loaded = True
-            try:
-                lib = ctypes.CDLL("libcuda.so.1")
-            except OSError:
-                return
-            symbols = (("cuStreamGetCaptureInfo_v3", 3), ("cuStreamGetCaptureInfo_v2", 2))
-            for symbol, arrays in symbols:
-                info = getattr(lib, symbol, None)
-                if info is not None:
-                    # (stream, status*, id*, graph*, then the arrays and the count) -> CUresult
-                    info.argtypes = [ctypes.c_void_p] * (4 + arrays)
-                    info.restype = ctypes.c_int
-                    self._info, self._info_arrays = info, arrays
-                    break
-            nodes = getattr(lib, "cuGraphGetNodes", None)
-            if nodes is not None:
-                nodes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-                nodes.restype = ctypes.c_int
-                self._nodes = nodes
-
-    def capture_node_count(self, stream_handle: int) -> int | None:
-        """Nodes in the graph ``stream_handle`` is capturing into; None when the stream is not
-        capturing (ACTIVE) or the driver cannot be asked."""
-        if not self._loaded:
-            self._load()
-        if self._info is None or self._nodes is None:
-            return None
-        status = ctypes.c_int(-1)
-        graph = ctypes.c_void_p()
-        nulls = (None,) * self._info_arrays
-        code = self._info(
-            ctypes.c_void_p(stream_handle), ctypes.byref(status), None, ctypes.byref(graph), *nulls
-        )
-        if code != 0 or status.value != CaptureStatus.ACTIVE or not graph.value:
-            return None
-        count = ctypes.c_size_t(0)
-        if self._nodes(graph, None, ctypes.byref(count)) != 0:
-            return None
-        return int(count.value)
 
 
 class _Runtime:
@@ -192,9 +137,30 @@ class _Runtime:
         return int(result[1])
 
     def capture_node_count(self, stream: torch.cuda.Stream) -> int | None:
-        """Nodes captured so far on ``stream``, or None when the driver cannot tell."""
-        return _DRIVER.capture_node_count(stream.cuda_stream)
+        """Nodes captured so far on ``stream``, or None when it is not capturing (ACTIVE) or the
+        bindings cannot tell. ``cudaStreamGetCaptureInfo`` is called only after
+        ``cudaStreamIsCapturing`` said ACTIVE on this thread: only then are the arrays its
+        wrapper reads filled (see the module docstring)."""
+        rt = self.module()
+        if rt is None:
+            return None
+        try:
+            handle = rt.cudaStream_t(stream.cuda_stream)
+            if parse_is_capturing(rt.cudaStreamIsCapturing(handle)).status is not (
+                CaptureStatus.ACTIVE
+            ):
+                return None
+            info = rt.cudaStreamGetCaptureInfo(handle)
+            if _as_int(info[0]) != 0 or CaptureStatus(_as_int(info[1])) is not (
+                CaptureStatus.ACTIVE
+            ):
+                return None
+            nodes = rt.cudaGraphGetNodes(info[3], 0)  # (err, graph) lead in 12.x and 13.x
+        except (CudaRuntimeError, RuntimeError, TypeError, ValueError):
+            return None
+        if _as_int(nodes[0]) != 0:
+            return None
+        return _as_int(nodes[-1])
 
 
-_DRIVER = _Driver()
 RUNTIME = _Runtime()
