@@ -49,16 +49,16 @@ def test_capture_queries_answer_for_every_status() -> None:
         finally:
             graph.capture_end()
     assert RUNTIME.capture_node_count(stream) is None
-    invalid = torch.cuda.CUDAGraph()
+    invalid, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
     with torch.cuda.stream(stream):
-        invalid.capture_begin(capture_error_mode="relaxed")
+        invalid.capture_begin(pool=pool, capture_error_mode="relaxed")
         with contextlib.suppress(RuntimeError):
             x.sum().item()  # invalidates the capture
         assert RUNTIME.capture_info(stream).status is CaptureStatus.INVALIDATED
         assert RUNTIME.capture_node_count(stream) is None
         with pytest.raises(RuntimeError):
             invalid.capture_end()
-    backend_for("cuda").recover_after_failure(invalid.pool())  # torch leaves routing on
+    backend_for("cuda").recover_after_failure(pool)  # torch leaves routing on
     assert RUNTIME.capture_info(stream).status is CaptureStatus.NONE
 
 
