@@ -7,7 +7,7 @@
 #   demo     `bcg demo`
 #   scripts  benchmarks/bench_core.py and benchmarks/bench_dit.py
 #   stress   the stress suite's long form (BCG_STRESS_CYCLES, default 12000) under faulthandler
-#   probes   the GPU probes in gpu/ (compiled breaks, capture profile), logs only
+#   probes   the GPU probes in benchmarks/ (compiled breaks, capture profile), logs only
 # `bcg` runs from the installed wheels because workloads are found through entry points, which
 # need installed metadata. Logs and results are written to a scratch folder and packed into
 # $OUT/results.tgz on exit (the device tool brings back at most 8 files).
@@ -38,7 +38,7 @@ for phase in "${phases[@]}"; do
       echo "stress rc=$?"; grep -E "stress\[|passed|failed" "$out/stress.log" | tail -3 ;;
     probes)
       export PYTHONPATH=packages/bcg-core/src:packages/bcg-diffusion/src:/tmp/bcg-site
-      timeout 200 python3 gpu/probe_compile.py > "$out/probe_compile.log" 2>&1
+      timeout 200 python3 benchmarks/probe_compile.py > "$out/probe_compile.log" 2>&1
       echo "probe_compile rc=$?"; grep -E "^\[" "$out/probe_compile.log" | cut -c1-200
       unset PYTHONPATH ;;
     bench)

@@ -11,7 +11,7 @@ device synchronised around it, and writes to ``$OUT``:
   ``keep_graph=True`` into end-capture and ``instantiate``, so instantiation is measured apart;
 - ``profile-<contender>-tottime.txt`` / ``-cumtime.txt``: cProfile top 40 of the capture blocks.
 
-Run from the repo root with the sources on PYTHONPATH (gpu/request.sh does).
+Run from the repo root with the sources on PYTHONPATH (tools/device_run.sh probes does).
 """
 
 from __future__ import annotations
