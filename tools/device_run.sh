@@ -8,6 +8,7 @@
 #   scripts  benchmarks/bench_core.py and benchmarks/bench_dit.py
 #   stress   the stress suite's long form (BCG_STRESS_CYCLES, default 12000) under faulthandler
 #   probes   the GPU probes in benchmarks/ (compiled breaks, capture profile), logs only
+#   race     benchmarks/probe_graph_race.py: two threads churning torch graphs, bare and via bcg
 # `bcg` runs from the installed wheels because workloads are found through entry points, which
 # need installed metadata. Logs and results are written to a scratch folder and packed into
 # $OUT/results.tgz on exit (the device tool brings back at most 8 files).
@@ -32,7 +33,7 @@ for phase in "${phases[@]}"; do
       tail -4 "$out/cuda_tests.log" ;;
     stress)
       BCG_STRESS_CYCLES="${BCG_STRESS_CYCLES:-12000}" \
-        PYTHONPATH=packages/bcg-core/src:packages/bcg-diffusion/src timeout 300 \
+        PYTHONPATH=packages/bcg-core/src:packages/bcg-diffusion/src timeout "${BCG_STRESS_TIMEOUT:-300}" \
         python3 -X faulthandler -m pytest -p no:cacheprovider -q -s -rfE --tb=short -k cuda \
         tests/core/test_stress.py > "$out/stress.log" 2>&1
       echo "stress rc=$?"; grep -E "stress\[|passed|failed" "$out/stress.log" | tail -3 ;;
@@ -41,6 +42,11 @@ for phase in "${phases[@]}"; do
       timeout 200 python3 benchmarks/probe_compile.py > "$out/probe_compile.log" 2>&1
       echo "probe_compile rc=$?"; grep -E "^\[" "$out/probe_compile.log" | cut -c1-200
       unset PYTHONPATH ;;
+    race)
+      mkdir -p "$out/race"
+      PYTHONPATH=packages/bcg-core/src timeout 420 python3 benchmarks/probe_graph_race.py \
+        --logs "$out/race" > "$out/probe_graph_race.log" 2>&1
+      echo "probe_graph_race rc=$?"; cut -c1-400 "$out/probe_graph_race.log" ;;
     bench)
       PYTHONPATH=/tmp/bcg-site timeout "${BCG_BENCH_TIMEOUT:-360}" python3 -m bcg_core bench "$@" \
         --json "$out/bench.json" --plot "$out/bench.png" > "$out/bench.log" 2>&1

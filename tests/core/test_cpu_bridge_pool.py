@@ -8,8 +8,8 @@ break drops it; every graph must still be right right after its own replay, what
 and every output the caller holds must keep its last replay's values. On the CPU backend bridges
 are held strongly (its pool is a token), so the same assertions check the shared logic.
 
-Also on CPU tensors: how a capture tells pooled tensors from others (``PoolAddresses``) and how a
-bridge holds each kind.
+Also on CPU tensors: how a capture tells pooled tensors from others (``fresh.py``: the ones the
+break's ops made) and how a bridge holds each kind.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch
 from graph_helpers import capture, device_graph
 
 from bcg_core import BreakableCUDAGraph, eager_on_graph
-from bcg_core._capture.bridges import Bridge, PoolAddresses  # noqa: PLC2701
+from bcg_core._capture.bridges import Bridge  # noqa: PLC2701
+from bcg_core._capture.fresh import FreshTensorTracker  # noqa: PLC2701
 
 HIDDEN = 32
 ROWS = [64, 56, 48, 40, 32, 24, 16, 8]  # largest first, as serving engines capture
@@ -95,38 +96,23 @@ def test_eight_graphs_sharing_a_pool_in_any_replay_order(order: str) -> None:
 # -- the pieces, on CPU tensors ----------------------------------------------------------------
 
 
-class _Ranges:
-    """A backend whose pool is a set of address ranges given by the test (``pool_ranges`` is
-    all ``PoolAddresses`` asks of a backend); counts how often it was asked."""
+def test_the_tensors_a_block_made_are_told_from_the_ones_it_was_given() -> None:
+    # At capture a break's outputs made by its own ops lie in the pool (its allocations are
+    # routed there) and are held by alias; everything else is held strongly.
+    given, buffer = torch.ones(64), torch.zeros(64)
 
-    def __init__(self, *tensors: torch.Tensor) -> None:
-        self.ranges = [_span(t) for t in tensors]
-        self.reads = 0
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        made = x * 2
+        return made, made[10:], x, x[5:], buffer, torch.empty(0), x.add_(0)
 
-    def pool_ranges(self, pool: object) -> list[tuple[int, int]]:
-        self.reads += 1
-        return list(self.ranges)
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    storage = t.untyped_storage()
-    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-
-
-def test_pool_addresses_reads_ranges_once_and_again_only_on_a_miss() -> None:
-    inside, grown, outside = torch.ones(64), torch.ones(64), torch.ones(64)
-    backend = _Ranges(inside)
-    addresses = PoolAddresses(backend, pool=None, device="cpu")  # type: ignore[arg-type]
-    assert addresses.holds(inside) and addresses.holds(inside[10:])
-    assert backend.reads == 1
-    backend.ranges.append(_span(grown))  # the pool grew: found after one more read
-    assert addresses.holds(grown)
-    assert backend.reads == 2
-    assert addresses.holds(inside) and backend.reads == 2
-    assert not addresses.holds(outside)  # a miss reads again, then answers no
-    assert backend.reads == 3
-    assert not addresses.holds(torch.ones(0))  # no memory: nothing to alias
-    assert not addresses.holds(torch.ones(4, device="meta"))  # another device
+    with FreshTensorTracker("cpu") as tracker:
+        outputs = step(given)
+        dropped = given + 1  # made, then dead before the test is asked
+        del dropped
+    made = tracker.made_on(torch.device("cpu"))
+    assert [made(t) for t in outputs] == [True, True, False, False, False, False, False]
+    assert len(tracker.alive()) == 1  # the dead one is not kept, nor keeps anything alive
+    assert not tracker.made_on(torch.device("meta"))(outputs[0])  # another device: not pooled
 
 
 class Pair(NamedTuple):
@@ -143,6 +129,7 @@ def test_bridge_aliases_pooled_tensors_and_holds_the_rest() -> None:
     assert held["pair"].pooled is not pooled  # an alias: same memory, does not own it
     assert held["pair"].pooled.data_ptr() == pooled.data_ptr()
     assert held["pair"].static is static  # outside the pool: held as it is
+    assert bridge.pooled == (held["pair"].pooled,)  # memory accounting counts it in the pool
     bridge.update({"pair": Pair(torch.full((8,), 2.0), torch.full((8,), 5.0)), "n": 3})
     assert torch.equal(pooled, torch.full((8,), 2.0))  # written through the alias
     assert torch.equal(static, torch.full((8,), 5.0))

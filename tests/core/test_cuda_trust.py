@@ -5,7 +5,10 @@ allocated after a failed capture comes from."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -212,3 +215,32 @@ def test_after_a_failed_capture_new_tensors_are_in_no_graphs_pool(fail: Any) -> 
         torch.cuda.synchronize()
         assert torch.equal(out, (value * 2).tanh() + 1)
     assert_idle()
+
+
+# -- torch's graph registry ------------------------------------------------------------------------
+
+
+def test_two_threads_capturing_and_dropping_graphs_do_not_corrupt_the_process() -> None:
+    # torch registers each graph with the CUDA generator in an unlocked set (capture_begin
+    # inserts, the destructor erases); two threads doing both at once corrupted the heap and
+    # the one-process CUDA suite died later (issue 21). A child process runs the churn, so a
+    # crash is an exit status here, not the end of the suite.
+    probe = Path(__file__).parents[2] / "benchmarks" / "probe_graph_race.py"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "faulthandler",
+            str(probe),
+            "--child",
+            "bcg",
+            "--iterations",
+            "1500",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "captured 3000 graphs" in done.stdout

@@ -269,9 +269,9 @@ class CpuBackend:
     def range_pop(self) -> None:
         """No device timeline (see :meth:`range_push`)."""
 
-    def pool_ranges(self, pool: Any) -> None:
-        """Unknown: a CPU pool is a token, not memory."""
-        return None
+    def count_pool_growth(self, pool: Any, device: Any) -> AbstractContextManager[None]:
+        """Counts nothing: a CPU pool is a token, not memory."""
+        return contextlib.nullcontext()
 
     def allocate_to_pool(self, pool: Any, device: Any) -> AbstractContextManager[bool]:
         """Routes nothing (yields False): a CPU pool is a token, so the capture holds a break's

@@ -14,8 +14,14 @@ from typing import Any
 
 import torch
 
+from bcg_core._backends.cuda_graph import TorchGraph
 from bcg_core._backends.cuda_lanes import lease_lane, make_spare_lane
-from bcg_core._backends.cuda_pool import CudaPool, allocate_to_pool, device_index
+from bcg_core._backends.cuda_pool import (
+    CudaPool,
+    allocate_to_pool,
+    count_pool_growth,
+    device_index,
+)
 from bcg_core._backends.cudart import RUNTIME
 from bcg_core._backends.seam import CaptureInfo, StreamObserver, pool_id
 from bcg_core._errors import CaptureError
@@ -25,7 +31,7 @@ class CudaSegment:
     """A ``torch.cuda.CUDAGraph`` that knows whether it captured anything."""
 
     def __init__(self) -> None:
-        self._graph = torch.cuda.CUDAGraph()
+        self._graph = TorchGraph()
         self._empty = False
         self._stream: torch.cuda.Stream | None = None
 
@@ -36,7 +42,7 @@ class CudaSegment:
     def capture_begin(self, pool: Any, capture_error_mode: str) -> None:
         self._stream = torch.cuda.current_stream()
         try:
-            self._graph.capture_begin(pool=pool_id(pool), capture_error_mode=capture_error_mode)
+            self._graph.capture_begin(pool_id(pool), capture_error_mode)
         except RuntimeError:
             # torch may have registered the pool with the allocator before failing.
             _recover(pool)
@@ -134,20 +140,12 @@ class CudaBackend:
         return _install_stream_hooks(observer)
 
     def pool_bytes(self, pool: Any) -> int | None:
-        ranges = self.pool_ranges(pool)
-        return None if ranges is None else sum(end - start for start, end in ranges)
+        """What :meth:`count_pool_growth` counted for a :class:`CudaPool`; None for a bare
+        pool id, which nothing counts."""
+        return pool.bytes if isinstance(pool, CudaPool) else None
 
-    def pool_ranges(self, pool: Any) -> list[tuple[int, int]] | None:
-        want = tuple(pool_id(pool))
-        try:
-            segments = _snapshot_segments(want)
-        except (RuntimeError, AttributeError):
-            return None
-        return [
-            (int(s["address"]), int(s["address"]) + int(s["total_size"]))
-            for s in segments
-            if tuple(s.get("segment_pool_id", ())) == want
-        ]
+    def count_pool_growth(self, pool: Any, device: Any) -> AbstractContextManager[None]:
+        return count_pool_growth(pool, device)
 
     def allocate_to_pool(self, pool: Any, device: Any) -> AbstractContextManager[bool]:
         return allocate_to_pool(pool, device)
@@ -162,19 +160,6 @@ class CudaBackend:
         torch.cuda.nvtx.range_pop()  # type: ignore[no-untyped-call]
 
 
-def _snapshot_segments(want: tuple[int, ...]) -> list[dict[str, Any]]:
-    """The allocator's segments, narrowed to pool ``want`` where torch can (callers filter)."""
-    snapshot: Callable[..., list[dict[str, Any]]] = torch.cuda.memory.memory_snapshot
-    # Newest first: one pool without the allocation history (which can be long when recording
-    # is on); one pool; every segment (torch < 2.8 takes no argument).
-    for kwargs in ({"include_traces": False}, {}):
-        try:
-            return snapshot(want, **kwargs)
-        except TypeError:
-            continue
-    return snapshot()
-
-
 def _recover(pool: Any) -> None:
     _end_pool_routing(pool)
     _end_generator_capture()
@@ -186,11 +171,11 @@ def _end_generator_capture() -> None:
     # A capture that ends in an error leaves torch's CUDA generators in capture mode, and every
     # later eager random op fails ("Offset increment outside graph capture"). Beginning and
     # ending an empty capture takes them out of it; when they were fine it changes nothing.
-    graph = torch.cuda.CUDAGraph()
+    graph = TorchGraph()
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     with contextlib.suppress(RuntimeError), warnings.catch_warnings(), torch.cuda.stream(side):
         warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-        graph.capture_begin(capture_error_mode="relaxed")
+        graph.capture_begin(None, "relaxed")
         graph.capture_end()
     graph.reset()
 

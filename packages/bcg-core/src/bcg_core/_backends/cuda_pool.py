@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from bcg_core._backends.cuda_graph import TorchGraph
 from bcg_core._backends.seam import pool_id
 
 logger = logging.getLogger("bcg_core")
@@ -20,7 +21,7 @@ logger = logging.getLogger("bcg_core")
 
 # Anchors of pool ids a failed capture may have left routed to (see CudaPool.renew).
 _retired_lock = threading.Lock()
-_retired: list[torch.cuda.CUDAGraph] = []
+_retired: list[TorchGraph] = []
 
 
 class CudaPool:
@@ -35,8 +36,15 @@ class CudaPool:
 
     def __init__(self) -> None:
         self.id: Any = None
-        self._anchor: torch.cuda.CUDAGraph | None = None
+        self._anchor: TorchGraph | None = None
+        self._lock = threading.Lock()
+        self.bytes = 0  # see count_pool_growth
         self.renew()
+
+    def grew(self, nbytes: int) -> None:
+        """Count ``nbytes`` the allocator reserved for this pool."""
+        with self._lock:
+            self.bytes += nbytes
 
     def renew(self) -> None:
         """Move to a fresh pool id, anchored the same way.
@@ -53,13 +61,13 @@ class CudaPool:
             with _retired_lock:
                 _retired.append(self._anchor)
         self.id = torch.cuda.graph_pool_handle()
-        anchor = self._anchor = torch.cuda.CUDAGraph()
+        anchor = self._anchor = TorchGraph()
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
             # relaxed: the anchor must not disturb (or be disturbed by) captures on other threads
-            anchor.capture_begin(pool=self.id, capture_error_mode="relaxed")
+            anchor.capture_begin(self.id, "relaxed")
             anchor.capture_end()
 
     def __repr__(self) -> str:
@@ -71,6 +79,27 @@ def device_index(device: Any) -> int:
     current device when it names none."""
     index = torch.device(device).index
     return torch.cuda.current_device() if index is None else index
+
+
+@contextlib.contextmanager
+def count_pool_growth(pool: Any, device: Any) -> Iterator[None]:
+    """Count what the device's allocator newly reserves inside the block as ``pool``'s.
+
+    A pool's memory is reserved only while something is captured or routed into it, and it is
+    never returned while the pool lives, so the sum over its captures and warm-ups is its size
+    (more, when another thread's eager work reserved memory at the same time). The figure does
+    not come from torch's snapshot of the pool: reading that snapshot in the states bcg's
+    captures leave crashed torch 2.11 (``_capture/fresh.py``). A bare pool id is not counted.
+    """
+    if not isinstance(pool, CudaPool):
+        yield
+        return
+    index = device_index(device)
+    before = torch.cuda.memory_reserved(index)
+    try:
+        yield
+    finally:
+        pool.grew(max(0, torch.cuda.memory_reserved(index) - before))
 
 
 _ROUTING_API = (

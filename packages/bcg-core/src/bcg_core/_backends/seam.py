@@ -159,7 +159,8 @@ class GraphBackend(Protocol):
         ...
 
     def pool_bytes(self, pool: Any) -> int | None:
-        """Bytes the allocator holds for ``pool`` right now, or None when unknown."""
+        """Bytes the allocator holds for ``pool`` (as counted by :meth:`count_pool_growth`),
+        or None when unknown."""
         ...
 
     def note_graph_memory(self, pool: Any, tensors: Sequence[Any]) -> None:
@@ -174,9 +175,10 @@ class GraphBackend(Protocol):
     def range_pop(self) -> None:
         """Close the range opened by the last :meth:`range_push`."""
 
-    def pool_ranges(self, pool: Any) -> Sequence[tuple[int, int]] | None:
-        """The address ranges ``[start, end)`` of the memory the allocator holds for ``pool``
-        right now, or None when unknown (this backend or framework cannot say)."""
+    def count_pool_growth(self, pool: Any, device: Any) -> AbstractContextManager[None]:
+        """While open, count what the allocator newly reserves on ``device`` as ``pool``'s
+        (captures and warm-ups into the pool run inside it); :meth:`pool_bytes` reports the
+        sum. A backend that cannot tell counts nothing."""
         ...
 
     def allocate_to_pool(self, pool: Any, device: Any) -> AbstractContextManager[bool]:

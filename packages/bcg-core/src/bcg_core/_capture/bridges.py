@@ -21,60 +21,18 @@ code saw the capture-time value.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
 
 from bcg_core import _trees
-from bcg_core._backends import GraphBackend
 from bcg_core._capture.aliases import alias_tensor
 from bcg_core._errors import BreakOutputError
 
 
 def contains_device_tensor(obj: Any, device_types: frozenset[str]) -> bool:
     return any(t.device.type in device_types for t in _trees.tensor_leaves(obj))
-
-
-class PoolAddresses:
-    """Whether a tensor's memory lies in one pool, for the duration of one capture.
-
-    The pool's address ranges are asked of the backend on the first query and again only on a
-    miss (the pool grew, or the tensor is not in it). Ranges once seen stay valid for the whole
-    capture: the allocator returns a pool's memory to the device only once no graph or capture
-    uses the pool. Tensors on another device, empty storages and backends that cannot say are
-    "not in the pool" (held strongly: always safe).
-    """
-
-    __slots__ = ("_backend", "_device", "_pool", "_ranges", "_starts")
-
-    def __init__(self, backend: GraphBackend, pool: Any, device: Any) -> None:
-        self._backend = backend
-        self._pool = pool
-        self._device = torch.device(device)
-        self._ranges: list[tuple[int, int]] = []
-        self._starts: list[int] = []
-
-    def holds(self, t: torch.Tensor) -> bool:
-        if t.device != self._device:
-            return False
-        storage = t.untyped_storage()
-        if storage.nbytes() == 0:
-            return False
-        ptr = storage.data_ptr()
-        if self._find(ptr):
-            return True
-        ranges = self._backend.pool_ranges(self._pool)
-        if ranges is None:
-            return False
-        self._ranges = sorted(ranges)
-        self._starts = [start for start, _ in self._ranges]
-        return self._find(ptr)
-
-    def _find(self, ptr: int) -> bool:
-        i = bisect.bisect_right(self._starts, ptr) - 1
-        return i >= 0 and ptr < self._ranges[i][1]
 
 
 class Bridge:
@@ -85,15 +43,25 @@ class Bridge:
     others strongly. Without it every tensor is held strongly.
     """
 
-    __slots__ = ("_flat", "_meta", "_name", "_single", "_spec", "output")
+    __slots__ = ("_flat", "_meta", "_name", "_single", "_spec", "output", "pooled")
 
     def __init__(
         self, name: str, output: Any, in_pool: Callable[[torch.Tensor], bool] | None = None
     ) -> None:
         self._name = name
+        pooled: list[torch.Tensor] = []
         if in_pool is not None:
-            output = _trees.map_tensors(output, lambda t: alias_tensor(t) if in_pool(t) else t)
+
+            def hold(t: torch.Tensor) -> torch.Tensor:
+                if not in_pool(t):
+                    return t
+                pooled.append(alias := alias_tensor(t))
+                return alias
+
+            output = _trees.map_tensors(output, hold)
         self.output = output
+        # The aliases, which memory accounting counts in the pool, not as bridge memory.
+        self.pooled = tuple(pooled)
         leaves, self._spec = _trees.flatten(output)
         # Fresh outputs are checked against metadata read once: nothing else reaches the
         # bridge's tensors, so their shape, dtype and address never change.

@@ -15,7 +15,7 @@ import torch
 
 from bcg_core._backends import CaptureStatus, GraphBackend, Segment
 from bcg_core._capture.aliases import alias_tree
-from bcg_core._capture.bridges import Bridge, PoolAddresses, contains_device_tensor
+from bcg_core._capture.bridges import Bridge, contains_device_tensor
 from bcg_core._capture.compiles import as_capture_error, compiles_refused
 from bcg_core._capture.context import (
     active_capture,
@@ -23,8 +23,9 @@ from bcg_core._capture.context import (
     enter_capture,
     exit_capture,
 )
-from bcg_core._capture.debug import DebugLevel, FreshTensorTracker, debug_level, report_leaks
+from bcg_core._capture.debug import DebugLevel, debug_level, report_leaks
 from bcg_core._capture.flag import breakable_graphs_disabled, disabled_reason
+from bcg_core._capture.fresh import FreshTensorTracker
 from bcg_core._capture.gc_pause import gc_paused
 from bcg_core._capture.graph import BreakableCUDAGraph, BreakStep, SegmentStep, Step
 from bcg_core._capture.streams import StreamTracker, stream_hooks
@@ -75,7 +76,6 @@ class CaptureState:
         self.where = "before the first segment"
         self._segments_begun = 0
         self._last_break: str | None = None
-        self.pool_addresses = PoolAddresses(backend, pool, stream.device)
 
     def begin_segment(self) -> None:
         self._segments_begun += 1
@@ -180,18 +180,18 @@ class CaptureState:
             self.barrier_fn()
         self.in_break = True
         self.tracker.begin_break()
-        fresh = None
-        if self.debug is not DebugLevel.OFF:
-            fresh = FreshTensorTracker(self.backend.device_type)
+        fresh: FreshTensorTracker | None = None
         try:
             # The break's allocations go to the graph's pool, so its output (the bridge) costs
             # what a graph intermediate costs (DESIGN.md, "Who may reuse a bridge's memory").
+            # What its ops create is recorded: those outputs are the pooled ones (fresh.py).
             with self.backend.allocate_to_pool(self.pool, self.stream.device) as routed:
-                if fresh is None:
-                    output = (stub if stub is not None else fn)(*args, **kwargs)
-                else:
+                if routed or self.debug is not DebugLevel.OFF:
+                    fresh = FreshTensorTracker(self.backend.device_type)
                     with fresh:
                         output = (stub if stub is not None else fn)(*args, **kwargs)
+                else:
+                    output = (stub if stub is not None else fn)(*args, **kwargs)
         finally:
             side_streams = self.tracker.end_break()
             self.in_break = False
@@ -204,13 +204,14 @@ class CaptureState:
                 "result into a buffer passed as an argument and return None, or drop strict=True "
                 "to have the output copied into a bridge buffer at every replay."
             )
-        if fresh is not None:
+        if fresh is not None and self.debug is not DebugLevel.OFF:
             report_leaks(
                 name, fresh, output, (args, kwargs), strict=self.debug is DebugLevel.STRICT
             )
         # Pooled tensors are held by alias; the code after the break gets the owning originals,
         # which keep their blocks allocated for as long as it holds them.
-        bridge = Bridge(name, output, self.pool_addresses.holds if routed else None)
+        in_pool = fresh.made_on(self.stream.device) if routed and fresh is not None else None
+        bridge = Bridge(name, output, in_pool)
         self.backend.note_graph_memory(self.pool, bridge.tensors)
         self.steps.append(
             BreakStep(
@@ -395,6 +396,8 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
                 faithful=self._faithful,
                 debug=self._debug,
             )
+            # Entered first, left last: what the segments and breaks reserve is the pool's.
+            stack.enter_context(backend.count_pool_growth(pool, stream.device))
             stack.enter_context(gc_paused())
             stack.enter_context(backend.stream_context(stream))
             stack.enter_context(stream_hooks(backend))

@@ -4,21 +4,20 @@ A break runs eagerly at capture and again at every replay. A device tensor it cr
 reachable without returning it (stored on a metadata object, or in a cache that a later segment
 reads) is read by that segment at its capture-time address, while every replay makes a new one:
 replay silently reads stale memory. With debug on, each break runs under a
-:class:`FreshTensorTracker` (a dispatch mode holding weak references to the tensors whose storage
-was created by the break's ops) and :func:`report_leaks` names the ones still alive afterwards.
+:class:`FreshTensorTracker` (``fresh.py``: a dispatch mode holding weak references to the tensors
+whose storage was created by the break's ops) and :func:`report_leaks` names the ones still alive
+afterwards.
 """
 
 from __future__ import annotations
 
 import enum
 import warnings
-from contextvars import ContextVar
 from typing import Any
 
 import torch
-import torch.utils._python_dispatch
-from torch.multiprocessing.reductions import StorageWeakRef
 
+from bcg_core._capture.fresh import TRACKER, FreshTensorTracker, flat_tensors, storage_key
 from bcg_core._env import FALSE_WORDS, TRUE_WORDS, env_word
 from bcg_core._errors import CaptureError
 from bcg_core._trees import tensor_leaves
@@ -54,9 +53,6 @@ def debug_level(option: bool | str | None = None) -> DebugLevel:
     raise ValueError(f"{source} must be a bool, 'warn' or 'strict' (or 1/0), got {value!r}")
 
 
-_TRACKER: ContextVar[FreshTensorTracker | None] = ContextVar("bcg_core_fresh", default=None)
-
-
 def keep_alive_ok(tensor: torch.Tensor) -> torch.Tensor:
     """Declare that ``tensor``, created inside a break, may stay alive after it on purpose.
 
@@ -73,74 +69,10 @@ def keep_alive_ok(tensor: torch.Tensor) -> torch.Tensor:
     Returns:
         ``tensor`` itself, unchanged.
     """
-    tracker = _TRACKER.get()
+    tracker = TRACKER.get()
     if tracker is not None:
-        tracker.allowed.add(_storage_key(tensor))
+        tracker.allowed.add(storage_key(tensor))
     return tensor
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-def _flat(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _flat(item)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in _flat(item)]
-    return []
-
-
-class FreshTensorTracker(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Weak references to the ``device_type`` storages that the enclosed ops created.
-
-    An op's output is fresh when its storage is none of its inputs' (views and in-place writes
-    are not). Storages, not tensor objects, are referenced: a view kept after its base died
-    still holds the storage. Only weak references are held, so the tracker keeps nothing alive.
-    """
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # never traced by torch.compile; skip torch's per-op dynamo wrapper
-
-    def __init__(self, device_type: str) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.device_type = device_type
-        self.fresh: list[tuple[StorageWeakRef, int, int]] = []
-        self.allowed: set[int] = set()
-        self._token: Any = None
-
-    def __enter__(self) -> FreshTensorTracker:
-        self._token = _TRACKER.set(self)
-        super().__enter__()  # type: ignore[no-untyped-call]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)  # type: ignore[no-untyped-call]
-        _TRACKER.reset(self._token)
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        inputs = {_storage_key(t) for t in _flat((args, kwargs))}
-        for t in _flat(out):
-            if t.device.type == self.device_type and _storage_key(t) not in inputs:
-                storage = t.untyped_storage()
-                if storage.nbytes():
-                    ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
-                    self.fresh.append((ref, storage.data_ptr(), storage.nbytes()))
-        return out
-
-    def alive(self) -> dict[int, int]:
-        """Storage pointer → bytes of every fresh storage still referenced by a live tensor."""
-        return {ptr: size for ref, ptr, size in self.fresh if not ref.expired()}  # type: ignore[no-untyped-call]
 
 
 def report_leaks(
@@ -152,7 +84,7 @@ def report_leaks(
     :func:`keep_alive_ok`: a warning, or :class:`CaptureError` when ``strict``."""
     # Returned tensors are bridged (found as bridges find them); argument tensors are caller- or
     # pool-owned. Tensors reachable only through an argument *object* are what this catches.
-    kept = {_storage_key(t) for t in (*tensor_leaves(output), *_flat(arguments))}
+    kept = {storage_key(t) for t in (*tensor_leaves(output), *flat_tensors(arguments))}
     leaked = {
         ptr: size
         for ptr, size in tracker.alive().items()

@@ -160,8 +160,9 @@ class BreakableCUDAGraph:
         """Bytes the allocator holds in this graph's pool right now.
 
         Returns:
-            The total size of the allocator segments in the pool (shared with every graph that
-            uses it), or None where the backend cannot tell (CPU, or no memory snapshot).
+            What the allocator reserved for the pool in the captures and warm-ups into it
+            (shared with every graph that uses it; more when another thread reserved memory
+            meanwhile), or None where the backend cannot tell (CPU, a bare pool id).
         """
         return self._backend.pool_bytes(self.pool())
 
@@ -198,7 +199,11 @@ class BreakableCUDAGraph:
             else backend.allocate_to_pool(pool, caller.device)
         )
         try:
-            with backend.stream_context(lane), routed:
+            with (
+                backend.stream_context(lane),
+                backend.count_pool_growth(pool, caller.device),
+                routed,
+            ):
                 yield lane
         finally:
             caller.wait_stream(lane)
@@ -283,9 +288,14 @@ class BreakableCUDAGraph:
         """The name of each break step, in order."""
         return tuple(s.name for s in self._steps if isinstance(s, BreakStep))
 
-    def _bridge_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The tensors every break's bridge holds (pooled ones through aliases)."""
-        return tuple(t for s in self._steps if isinstance(s, BreakStep) for t in s.bridge.tensors)
+    def _bridge_tensors_outside_pool(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the bridges hold strongly: outputs that do not lie in the pool."""
+        held: list[torch.Tensor] = []
+        for step in self._steps:
+            if isinstance(step, BreakStep):
+                pooled = {id(t) for t in step.bridge.pooled}
+                held.extend(t for t in step.bridge.tensors if id(t) not in pooled)
+        return tuple(held)
 
     def __repr__(self) -> str:
         return (

@@ -15,7 +15,6 @@ import torch
 
 from bcg_core import _trees
 from bcg_core._backends import backend_for_device
-from bcg_core._capture.bridges import PoolAddresses
 from bcg_core._capture.capture import CAPTURE_ERROR_MODES, BreakableCUDAGraphCapture
 from bcg_core._capture.flag import (
     breakable_graphs_disabled,
@@ -436,7 +435,8 @@ class BreakableGraphRunner:
         """The device memory this runner's graphs hold now.
 
         Measure it after the start-up captures and give the rest of the device to the KV cache.
-        Waits for nothing; the pool's figure is the allocator's, read from its snapshot.
+        Waits for nothing; the pool's figure is what the allocator reserved in the captures and
+        warm-ups into it (see :meth:`BreakableCUDAGraph.pool_bytes`).
 
         Returns:
             A :class:`GraphMemory` (pool, static buffers, bridges outside the pool).
@@ -454,12 +454,8 @@ class BreakableGraphRunner:
             for entry in self._entries.values():
                 for t in (*entry.statics, *entry.scalars):
                     _note_storage(statics, t)
-                tensors = entry.graph._bridge_tensors()
-                if tensors:
-                    pooled = PoolAddresses(backend, entry.graph.pool(), tensors[0].device)
-                    for t in tensors:
-                        if not pooled.holds(t):  # pooled bridges are counted in the pool
-                            _note_storage(bridges, t)
+                for t in entry.graph._bridge_tensors_outside_pool():
+                    _note_storage(bridges, t)  # pooled bridges are counted in the pool
             return GraphMemory(pool_bytes, sum(statics.values()), sum(bridges.values()))
 
     @contextlib.contextmanager

@@ -1,0 +1,105 @@
+"""Which storages the ops of a block created: the tensors a break made at capture.
+
+A break runs at capture with its allocations routed to the graph's pool, so a tensor whose
+storage one of its ops created lies in the pool; the bridge holds such an output through a
+non-owning alias (``bridges.py``). The debug check uses the same record to name tensors a break
+made and kept without returning them (``debug.py``).
+
+Why a record of the ops, not the allocator's view: asking torch 2.11 for a pool's segments
+(``torch.cuda.memory_snapshot(pool)``) once per break handed back Python objects that were
+already freed in the allocator states bcg's captures create (many short-lived pools): on the
+H200 the debug allocator faulted while reading them, and the one-process CUDA suite, the
+stress suite and a two-thread capture loop died with SIGSEGV (issue 21). A storage no op of
+the block created (an argument returned as it is, a buffer of the break's own, memory from a
+library that allocates outside torch's dispatcher) is never taken for a pooled one: the bridge
+holds it strongly, which is always safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+import torch.utils._python_dispatch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+# The tracker of the break running on this thread, for keep_alive_ok (debug.py).
+TRACKER: ContextVar[FreshTensorTracker | None] = ContextVar("bcg_core_fresh", default=None)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """A tensor's storage, as its data pointer."""
+    return t.untyped_storage().data_ptr()
+
+
+def flat_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in ``obj`` and in the lists, tuples and dicts it nests (not in objects)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in flat_tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in flat_tensors(item)]
+    return []
+
+
+class FreshTensorTracker(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Weak references to the ``device_type`` storages that the enclosed ops created.
+
+    An op's output is fresh when its storage is none of its inputs' (views and in-place writes
+    are not). Storages, not tensor objects, are referenced: a view kept after its base died
+    still holds the storage. Only weak references are held, so the tracker keeps nothing alive.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # never traced by torch.compile; skip torch's per-op dynamo wrapper
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.device_type = device_type
+        self.fresh: list[tuple[StorageWeakRef, int, int]] = []
+        self.allowed: set[int] = set()
+        self._token: Any = None
+
+    def __enter__(self) -> FreshTensorTracker:
+        self._token = TRACKER.set(self)
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        TRACKER.reset(self._token)
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {storage_key(t) for t in flat_tensors((args, kwargs))}
+        for t in flat_tensors(out):
+            if t.device.type == self.device_type and storage_key(t) not in inputs:
+                storage = t.untyped_storage()
+                if storage.nbytes():
+                    ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+                    self.fresh.append((ref, storage.data_ptr(), storage.nbytes()))
+        return out
+
+    def alive(self) -> dict[int, int]:
+        """Storage pointer → bytes of every fresh storage still referenced by a live tensor."""
+        return {ptr: size for ref, ptr, size in self.fresh if not ref.expired()}  # type: ignore[no-untyped-call]
+
+    def made_on(self, device: torch.device) -> Callable[[torch.Tensor], bool]:
+        """A test for "this tensor's storage was created by the block's ops on ``device`` and
+        is alive", fixed at the time of the call."""
+        alive = self.alive()
+
+        def made(t: torch.Tensor) -> bool:
+            return t.device == device and storage_key(t) in alive
+
+        return made
