@@ -116,6 +116,40 @@ def test_capture_stub_gives_the_compiler_its_outputs() -> None:
     assert any("give the break a capture_stub" in text for text in chain)
 
 
+@eager_on_graph(name="cc.peek")
+def _peek(x: torch.Tensor) -> torch.Tensor:
+    return x * float(x.sum().item() != 0.5)  # reads a value: cannot run on fake tensors
+
+
+def test_a_break_that_reads_values_without_a_stub_is_a_dynamo_graph_break_and_still_a_break(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Without fullgraph such a break is a dynamo graph break; on torch 2.11 dynamo used to
+    # half-trace bcg's op call instead, and the capture failed ("returned * at run time, but
+    # None when torch.compile traced it"), on CUDA too.
+    torch._dynamo.reset()
+    w = torch.randn(8, 8)
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(_peek(torch.relu(x @ w)) @ w.t()) + 1
+
+    compiled = torch.compile(body, backend="aot_eager")
+    x = torch.randn(4, 8)
+    with caplog.at_level("WARNING", logger="bcg_core"):
+        torch.testing.assert_close(compiled(x), body(x), rtol=0, atol=0)
+        compiled(x)
+    said = [r for r in caplog.records if "cannot run on fake tensors" in r.getMessage()]
+    assert len(said) == 1 and "capture_stub" in said[0].getMessage()  # once per break
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        out = compiled(x)
+    assert graph.break_names == ("cc.peek",) and graph.num_segments == 2
+    for _ in range(3):
+        x.copy_(torch.randn(4, 8))
+        graph.replay()
+        torch.testing.assert_close(out, body(x), rtol=0, atol=0)
+
+
 @eager_on_graph(name="cc.module")
 def _with_module(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     _calls.append("module")

@@ -106,6 +106,12 @@ def call(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
 
 def _apply(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
     """Run at trace time (dynamo's fake pass, then AOTAutograd's): the op call, traced."""
+    if torch.compiler.is_dynamo_compiling():  # True only in code dynamo traces symbolically
+        # Dynamo traces this body only when running it on fake tensors failed (a break that
+        # reads values, with no capture_stub; torch 2.11 then inlines it, and the half-traced
+        # call could not work): the call becomes a dynamo graph break, an ordinary break call.
+        out = _eager(_functions[function_id][0], *_unbox((args, kwargs)))
+        return _box(out), 0
     flat, spec = pytree.tree_flatten(_unbox((args, kwargs)))
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     key = _layout_for(function_id, flat, spec, tensors)
@@ -122,6 +128,34 @@ def _apply(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
         outs = functional([], tensors, key)
     assert layout.out_spec is not None  # set by the fake implementation the call just ran
     return _box(_rebuild(layout.out_leaves, outs, layout.out_spec)), 0
+
+
+@torch._dynamo.disable  # type: ignore[untyped-decorator]
+def _eager(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``function(*args, **kwargs)``, never traced: where dynamo meets it, a graph break."""
+    return function(*args, **kwargs)
+
+
+_warned: set[str] = set()
+
+
+def _unfakeable(name: str, exc: Exception) -> TypeError:
+    """The error for a function that cannot run on fake tensors (logged once per function:
+    dynamo reports its own error, with this one as the cause, or graph-breaks)."""
+    message = (
+        f"bcg: break {name} cannot run on fake tensors, which torch.compile needs to know its "
+        f"outputs ({type(exc).__name__}: {exc}), so under torch.compile it is a dynamo graph "
+        "break: the code around it compiles as separate graphs, and fullgraph=True fails "
+        "(dynamo: 'Unsupported output type for nonstrict_trace-ed function'). To make it one "
+        "opaque op in one graph, give the break a capture_stub that computes outputs of the "
+        "same structure, shapes and dtypes without reading values."
+    )
+    with _lock:
+        first = name not in _warned
+        _warned.add(name)
+    if first:
+        logger.warning(message)
+    return TypeError(message)
 
 
 def _layout_for(
@@ -164,13 +198,7 @@ def _written_tensors(
     try:
         fake(*args, **kwargs)
     except Exception as exc:
-        message = (
-            f"bcg: {name} cannot run on fake tensors, which torch.compile needs to know its "
-            f"outputs ({type(exc).__name__}: {exc}); give the break a capture_stub that computes "
-            "outputs of the same structure, shapes and dtypes without reading values"
-        )
-        logger.error(message)  # dynamo reports its own error, with this one as the cause
-        raise TypeError(message) from exc
+        raise _unfakeable(name, exc) from exc
     return tuple(
         i for i, (c, v) in enumerate(zip(copies, versions, strict=True)) if c._version != v
     )

@@ -182,10 +182,17 @@ def _make_breakable(
         return out
 
     # Under torch.compile the whole attention call is one opaque op (nothing dynamo traces reads
-    # the flag or the capture), run at run time as the eager `attention` above. The op cannot
-    # take the module, so it gets the module attributes sdpa's function reads, on a stand-in.
+    # the flag or the capture). The op cannot take the module, so it gets the module attributes
+    # sdpa's function reads, on a stand-in. At run time the op is the break: the whole function
+    # (its fused kernel cannot be singled out there, as torch runs a custom op's implementation
+    # below the Python dispatch modes that find it; the code around it is compiled anyway).
     def run_compiled(layer: tuple[Any, ...], *args: Any, **kwargs: Any) -> Any:
-        return attention(_StandIn(*layer), *args, **kwargs)
+        module = _StandIn(*layer)
+        if not is_in_breakable_cuda_graph():
+            return function(module, *args, **kwargs)
+        if is_breakable_capture_active():
+            _refuse_sliding_window(module, kwargs)
+        return as_break(module, *args, **kwargs)
 
     def fake_compiled(layer: tuple[Any, ...], *args: Any, **kwargs: Any) -> Any:
         return function(_StandIn(*layer), *args, **kwargs)
