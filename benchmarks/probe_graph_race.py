@@ -191,13 +191,11 @@ def run_variant(
 _VARIANTS = [
     # (mode, threads, parts switched off, debug allocator)
     ("torch", 2, "", False),
-    ("torch+snapshot", 1, "", False),
     ("torch+newpool", 1, "", False),
     ("torch+newpool+snapshot", 1, "", False),
     ("torch+newpool+routing+snapshot", 1, "", False),
     ("bcg", 1, "", False),
     ("bcg", 2, "", False),
-    ("bcg", 2, "bindings", False),
 ]
 
 

@@ -45,7 +45,7 @@ for phase in "${phases[@]}"; do
     race)
       mkdir -p "$out/race"
       PYTHONPATH=packages/bcg-core/src timeout 420 python3 benchmarks/probe_graph_race.py \
-        --logs "$out/race" > "$out/probe_graph_race.log" 2>&1
+        --iterations "${BCG_RACE_ITERATIONS:-3000}" --logs "$out/race" > "$out/probe_graph_race.log" 2>&1
       echo "probe_graph_race rc=$?"; cut -c1-400 "$out/probe_graph_race.log" ;;
     bench)
       PYTHONPATH=/tmp/bcg-site timeout "${BCG_BENCH_TIMEOUT:-360}" python3 -m bcg_core bench "$@" \
