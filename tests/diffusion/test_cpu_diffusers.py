@@ -384,7 +384,7 @@ def test_a_patch_replaced_by_other_code_is_left_alone(caplog: pytest.LogCaptureF
 
     _Proc.__call__ = theirs  # type: ignore[method-assign]
     try:
-        with caplog.at_level(logging.WARNING, logger="bcg_diffusion"):
+        with caplog.at_level(logging.WARNING, logger="bcg_core"):
             handle.remove()
         assert "replaced by other code" in caplog.text
         assert _Proc.__call__ is theirs

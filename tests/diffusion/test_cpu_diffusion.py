@@ -207,8 +207,9 @@ class _Dummy:
 @pytest.mark.parametrize("bad", ["max_entries", "attention_class"])
 def test_dit_runner_releases_its_handle_when_its_constructor_fails(bad: str) -> None:
     # Before issue 21 the runner kept the handle it owns when it raised (patch count 1, then 2).
-    from bcg_diffusion import patch_attribute
-    from bcg_diffusion._patching import patch_count  # noqa: PLC2701
+    from bcg_diffusion import PatchHandle, patch_attribute
+
+    patch_count = PatchHandle.count
 
     handle = patch_attribute(_Dummy, "forward", _identity_wrap)
     assert patch_count(_Dummy, "forward") == 1

@@ -40,6 +40,7 @@ from bcg_core._integrations.continuous_batching import (
     enable_continuous_batching,
 )
 from bcg_core._integrations.transformers import breakable_attention
+from bcg_core._patching import PatchHandle, patch_attribute
 from bcg_core._runner.runner import (
     BreakableGraphRunner,
     CaptureReport,
@@ -65,6 +66,7 @@ __all__ = [
     "DivergenceReport",
     "EntryStats",
     "GraphMemory",
+    "PatchHandle",
     "ReplayError",
     "RunnerStats",
     "TensorDiff",
@@ -84,5 +86,6 @@ __all__ = [
     "is_breakable_capture_active",
     "is_in_breakable_cuda_graph",
     "keep_alive_ok",
+    "patch_attribute",
     "signature_of",
 ]

@@ -6,6 +6,7 @@ captured, and :class:`DiTRunner` replays one graph per input signature, each rep
 a fresh replay token. See DESIGN.md.
 """
 
+from bcg_core import PatchHandle, patch_attribute  # core's, re-exported for diffusion users
 from bcg_diffusion._attention import (
     AttentionPatch,
     install_breakable_attention,
@@ -15,7 +16,6 @@ from bcg_diffusion._attention import (
 )
 from bcg_diffusion._diffusers import make_attention_ops_breakable
 from bcg_diffusion._padding import bucket_for, pad_prompt
-from bcg_diffusion._patching import PatchHandle, patch_attribute
 from bcg_diffusion._runner import DiTRunner
 from bcg_diffusion._tokens import get_current_replay_token, replay_token_scope
 from bcg_diffusion._version import __version__

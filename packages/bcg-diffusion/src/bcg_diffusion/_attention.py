@@ -16,14 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from bcg_core import eager_on_graph
-from bcg_diffusion._patching import (
-    PatchHandle,
-    Removable,
-    combine,
-    patch_attribute,
-    patch_count,
-)
+from bcg_core import PatchHandle, eager_on_graph
 
 _ORIGINAL = "__bcg_original_forward__"
 
@@ -54,7 +47,7 @@ def make_breakable_attention_forward(forward: Callable[..., Any]) -> Callable[..
     return adapted
 
 
-class AttentionPatch(Removable):
+class AttentionPatch(PatchHandle):
     """Handle returned by :func:`install_breakable_attention`.
 
     :meth:`remove` undoes the install (so does leaving a ``with`` block); removing twice is
@@ -65,7 +58,14 @@ class AttentionPatch(Removable):
     """
 
     def __init__(self, classes: tuple[type, ...]) -> None:
+        super().__init__([], tuple(f"{c.__qualname__}.{attention_method(c)}" for c in classes))
         self.classes = classes
+
+    @property
+    def active(self) -> bool:
+        """Whether the install still holds its patch on any of its classes."""
+        with _lock:
+            return any(c in _installed for c in self.classes)
 
     def remove(self) -> None:
         """Uninstall the patch from every class, as :func:`uninstall_breakable_attention` does."""
@@ -89,15 +89,10 @@ def patch_attention_classes(*classes: type) -> PatchHandle:
     """Make each class's attention method (see :func:`attention_method`) a break point; one
     reference per class on the shared patch, released by the returned handle."""
     methods = [attention_method(cls) for cls in classes]  # validate all before patching any
-    handles: list[PatchHandle] = []
-    try:
-        for cls, method in zip(classes, methods, strict=True):
-            handles.append(patch_attribute(cls, method, make_breakable_attention_forward))
-    except BaseException:
-        for h in handles:
-            h.remove()
-        raise
-    return combine(handles)
+    return PatchHandle.patch_all(
+        (cls, method, make_breakable_attention_forward)
+        for cls, method in zip(classes, methods, strict=True)
+    )
 
 
 _lock = threading.Lock()
@@ -162,4 +157,4 @@ def is_breakable_attention_installed(cls: type) -> bool:
     Raises:
         TypeError: ``cls`` is not a class with a ``forward`` or ``__call__`` method.
     """
-    return patch_count(cls, attention_method(cls)) > 0
+    return PatchHandle.count(cls, attention_method(cls)) > 0

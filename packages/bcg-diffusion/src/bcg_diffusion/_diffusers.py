@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from bcg_core import PatchHandle
 from bcg_diffusion._attention import make_breakable_attention_forward
-from bcg_diffusion._patching import PatchHandle, combine, patch_attribute
 
 _DISPATCH = "dispatch_attention_fn"
 _SDPA = "scaled_dot_product_attention"
@@ -72,27 +72,22 @@ def make_attention_ops_breakable(model: torch.nn.Module) -> PatchHandle:
         ValueError: no module of the model calls an attention op it knows (nothing is
             patched); the message names the fallback, :func:`install_breakable_attention`.
     """
-    handles: list[PatchHandle] = []
-    try:
-        for module in _source_modules(model):
-            if callable(vars(module).get(_DISPATCH)):
-                handles.append(patch_attribute(module, _DISPATCH, make_breakable_attention_forward))
-            if not _calls_sdpa(module):
-                continue
-            for name, value in list(vars(module).items()):
-                if value is torch.nn.functional or _is_breakable_functional(value):
-                    handles.append(patch_attribute(module, name, breakable_functional))
-    except BaseException:
-        for h in handles:
-            h.remove()
-        raise
-    if not handles:
+    patches: list[tuple[Any, str, Any]] = []
+    for module in _source_modules(model):
+        if callable(vars(module).get(_DISPATCH)):
+            patches.append((module, _DISPATCH, make_breakable_attention_forward))
+        if not _calls_sdpa(module):
+            continue
+        for name, value in list(vars(module).items()):
+            if value is torch.nn.functional or _is_breakable_functional(value):
+                patches.append((module, name, breakable_functional))
+    if not patches:
         raise ValueError(
             f"found no attention op in {type(model).__name__}: none of its modules calls "
             f"{_DISPATCH} or F.{_SDPA}; make its attention class a break with "
             "install_breakable_attention(cls) instead"
         )
-    return combine(handles)
+    return PatchHandle.patch_all(patches)
 
 
 def _is_breakable_functional(value: Any) -> bool:

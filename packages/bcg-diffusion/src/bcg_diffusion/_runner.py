@@ -6,9 +6,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from bcg_core import BreakableGraphRunner, DivergenceReport
+from bcg_core import BreakableGraphRunner, DivergenceReport, PatchHandle
 from bcg_diffusion._attention import patch_attention_classes
-from bcg_diffusion._patching import PatchHandle
 from bcg_diffusion._tokens import replay_token_scope
 
 

@@ -13,7 +13,8 @@ would pass them, and slices the query to the batch's true tokens.
 The engine is reached through three methods of ``ModelRunner`` and one of
 ``ContinuousBatchingManager`` (which builds the runner), plus the ``paged|sdpa`` and
 ``paged|eager`` entries of transformers' ``AttentionInterface``: patched while any handle is
-alive (one reference per handle, under a lock), restored when the last is removed. They act only
+alive (each handle holds one reference per patch, ``bcg_core.patch_attribute``), restored when
+the last is removed. They act only
 for enabled models; every other model runs transformers' code unchanged.
 """
 
@@ -29,13 +30,13 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from math import ceil
-from types import TracebackType
 from typing import Any, Literal
 
 import torch
 
 from bcg_core._capture.breaks import eager_on_graph
 from bcg_core._capture.flag import is_in_breakable_cuda_graph
+from bcg_core._patching import PatchHandle, Removable
 from bcg_core._runner.runner import BreakableGraphRunner
 
 logger = logging.getLogger("bcg_core")
@@ -72,7 +73,7 @@ class ContinuousBatchingStats:
     eager_calls: int
 
 
-class ContinuousBatchingHandle:
+class ContinuousBatchingHandle(Removable):
     """The reference :func:`enable_continuous_batching` returns; made by bcg, never by hand.
 
     :meth:`remove` (or leaving a ``with`` block) releases this handle's reference (idempotent):
@@ -83,11 +84,13 @@ class ContinuousBatchingHandle:
     Args:
         model: the enabled model (held weakly).
         record: the model's shared counters and handle count.
+        patches: this handle's references on the patches (see :func:`bcg_core.patch_attribute`).
     """
 
-    def __init__(self, model: Any, record: _Record) -> None:
+    def __init__(self, model: Any, record: _Record, patches: PatchHandle) -> None:
         self._model: weakref.ref[Any] | None = weakref.ref(model)
         self._record = record
+        self._patches = patches
 
     @property
     def active(self) -> bool:
@@ -116,18 +119,7 @@ class ContinuousBatchingHandle:
                 record.handles -= 1
                 if record.handles == 0:
                     del _enabled[model]
-            _release_patches()
-
-    def __enter__(self) -> ContinuousBatchingHandle:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.remove()
+            self._patches.remove()
 
     def __repr__(self) -> str:
         return f"ContinuousBatchingHandle({'active' if self.active else 'removed'})"
@@ -205,11 +197,11 @@ def enable_continuous_batching(
                 f"bcg continuous batching is already enabled for this model with "
                 f"attention={record.attention!r}; remove that handle first"
             )
-        _acquire_patches()
+        patches = _patch()
         if record is None:
             record = _enabled[model] = _Record(attention=attention)
         record.handles += 1
-    return ContinuousBatchingHandle(model, record)
+    return ContinuousBatchingHandle(model, record, patches)
 
 
 def _check_transformers() -> None:
@@ -247,77 +239,22 @@ class _Record:
 _lock = threading.RLock()
 _enabled: weakref.WeakKeyDictionary[Any, _Record] = weakref.WeakKeyDictionary()
 _sessions: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
-_installed: list[_Patch] = []
-_references = 0
 
 
-def _acquire_patches() -> None:
-    global _references
-    if _references == 0:
-        _install()
-    _references += 1
-
-
-def _release_patches() -> None:
-    global _references
-    _references -= 1
-    if _references == 0:
-        _uninstall()
-
-
-@dataclass
-class _Patch:
-    """One replaced value: a class attribute, or an entry of transformers' attention table."""
-
-    target: Any  # a class or a dict
-    name: str
-    original: Any
-    ours: Any
-
-    def current(self) -> Any:
-        table = self.target if isinstance(self.target, dict) else vars(self.target)
-        return table.get(self.name)
-
-    def put(self, value: Any) -> None:
-        if isinstance(self.target, dict):
-            self.target[self.name] = value
-        else:
-            setattr(self.target, self.name, value)
-
-
-def _install() -> None:
+def _patch() -> PatchHandle:
+    """One reference on every patch (the engine's methods, the paged attention entries)."""
     from transformers.generation.continuous_batching import continuous_api, model_runner
     from transformers.modeling_utils import AttentionInterface
 
     runner_cls = model_runner.ModelRunner
-    manager_cls = continuous_api.ContinuousBatchingManager
-    mapping: dict[str, Any] = AttentionInterface._global_mapping
-    wraps: list[tuple[Any, str, Callable[[Any], Any]]] = [
-        (manager_cls, "_create_batch_processor", _wrap_create),
+    targets: list[tuple[Any, str, Callable[[Any], Any]]] = [
+        (continuous_api.ContinuousBatchingManager, "_create_batch_processor", _wrap_create),
         (runner_cls, "maybe_pad_inputs", _wrap_pad),
         (runner_cls, "compute_batch", _wrap_compute),
     ]
-    wraps += [
-        (mapping, name, functools.partial(_breakable_paged, name=name)) for name in _ATTENTION
-    ]
-    for target, name, wrap in wraps:
-        original = target[name] if isinstance(target, dict) else vars(target)[name]
-        patch = _Patch(target, name, original, wrap(original))
-        patch.put(patch.ours)
-        _installed.append(patch)
-
-
-def _uninstall() -> None:
-    while _installed:
-        patch = _installed.pop()
-        if patch.current() is patch.ours:
-            patch.put(patch.original)
-        else:
-            logger.warning(
-                "bcg: %s was replaced by other code while bcg's continuous batching patch was "
-                "installed; bcg leaves it as it is",
-                patch.name,
-            )
+    mapping: dict[str, Any] = AttentionInterface._global_mapping
+    targets += [(mapping, name, _WRAP_PAGED[name]) for name in _ATTENTION]
+    return PatchHandle.patch_all(targets)
 
 
 def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -513,6 +450,10 @@ def _breakable_paged(function: Callable[..., Any], name: str) -> Callable[..., A
     attention.__name__ = attention.__qualname__ = getattr(function, "__name__", "attention")
     attention.__doc__ = function.__doc__
     return attention
+
+
+# One wrap per entry, made once: the same wrap object is what shares a patch between handles.
+_WRAP_PAGED = {name: functools.partial(_breakable_paged, name=name) for name in _ATTENTION}
 
 
 def _eager_arguments(io: Any, tokens: int) -> tuple[Any, list[Any], list[Any]]:

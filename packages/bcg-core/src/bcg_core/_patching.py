@@ -1,4 +1,6 @@
-"""Reference-counted attribute patches: a module's function, a class's method, one instance's.
+"""Reference-counted attribute patches: a module's function, a class's method, one instance's,
+an entry of a mapping (transformers' attention table). Shared by bcg's integrations (the
+continuous-batching one here, the diffusers one in bcg_diffusion, through the public API).
 
 A patch replaces ``target.name`` by ``wrap(original)``. Every call of :func:`patch_attribute`
 takes one reference on ``(target, name, wrap)`` and returns a :class:`PatchHandle`; the
@@ -20,12 +22,12 @@ import inspect
 import logging
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
 
-logger = logging.getLogger("bcg_diffusion")
+logger = logging.getLogger("bcg_core")
 
 Wrap = Callable[[Any], Any]
 
@@ -38,7 +40,7 @@ class _Slot:
 
     target: Any
     name: str
-    kind: str  # "module", "class" or "instance"
+    kind: str  # "module", "class", "instance" or "mapping"
     original: Any  # the target's own attribute (its __dict__ entry), or _ABSENT
     base: Any  # what the wraps are applied to (the resolved original, e.g. an inherited method)
     layers: dict[Wrap, int] = field(default_factory=dict)  # wrap -> references, install order
@@ -48,7 +50,27 @@ class _Slot:
         owner = getattr(self.target, "__qualname__", None) or getattr(self.target, "__name__", "")
         if self.kind == "instance":
             owner = f"{type(self.target).__qualname__} instance at {id(self.target):#x}"
+        if self.kind == "mapping":
+            return f"the mapping entry {self.name!r}"
         return f"{owner}.{self.name}"
+
+    def own(self) -> Any:
+        """What the target itself holds under the name now (not inherited), or _ABSENT."""
+        if self.kind == "mapping":
+            return self.target.get(self.name, _ABSENT)
+        return vars(self.target).get(self.name, _ABSENT)
+
+    def put(self, value: Any) -> None:
+        if self.kind == "mapping":
+            self.target[self.name] = value
+        else:
+            setattr(self.target, self.name, value)
+
+    def drop(self) -> None:
+        if self.kind == "mapping":
+            del self.target[self.name]
+        else:
+            delattr(self.target, self.name)
 
 
 _lock = threading.RLock()
@@ -112,16 +134,44 @@ class PatchHandle(Removable):
         state = "active" if self.active else "removed"
         return f"PatchHandle({', '.join(self.targets)}; {state})"
 
+    @staticmethod
+    def count(target: Any, name: str) -> int:
+        """References currently held on ``target.name`` by every handle, all wraps together.
 
-def combine(handles: list[PatchHandle]) -> PatchHandle:
-    """One handle holding the references of ``handles`` (which are emptied)."""
-    refs: list[tuple[_Slot, Wrap]] = []
-    targets: list[str] = []
-    for h in handles:
-        refs += h._refs
-        targets += h.targets
-        h._refs = []
-    return PatchHandle(refs, tuple(targets))
+        Args:
+            target: the patched module, class, dict or instance.
+            name: the attribute (or dict key).
+
+        Returns:
+            The number of references; 0 when bcg has no patch there.
+        """
+        return patch_count(target, name)
+
+    @classmethod
+    def patch_all(cls, patches: Iterable[tuple[Any, str, Wrap]]) -> PatchHandle:
+        """Patch several attributes at once, all or none, under one handle.
+
+        Args:
+            patches: ``(target, name, wrap)`` triples, each as for :func:`patch_attribute`.
+
+        Returns:
+            One handle holding a reference on each; ``remove()`` releases them all.
+
+        Raises:
+            AttributeError: a target lacks its attribute (what was patched is released).
+            KeyError: a dict target lacks its key (likewise).
+            ImportError: a dotted target name cannot be imported (likewise).
+        """
+        handles: list[PatchHandle] = []
+        try:
+            for target, name, wrap in patches:
+                handles.append(patch_attribute(target, name, wrap))
+        except BaseException:
+            for h in handles:
+                h.remove()
+            raise
+        refs = [ref for h in handles for ref in h._refs]
+        return cls(refs, tuple(t for h in handles for t in h.targets))
 
 
 def patch_attribute(target: Any, name: str, wrap: Wrap) -> PatchHandle:
@@ -129,13 +179,14 @@ def patch_attribute(target: Any, name: str, wrap: Wrap) -> PatchHandle:
 
     ``target`` is a module (or its dotted name: a module-level function such as a model module's
     ``dispatch_attention_fn``), a class (a method such as ``forward`` or ``__call__``; inherited
-    methods, staticmethods and classmethods keep their kind) or any other object (that one
-    instance only: the wrap gets the bound method). ``wrap`` is the reference key: the same
-    ``wrap`` on the same attribute shares the patch.
+    methods, staticmethods and classmethods keep their kind), a dict (the entry ``name``, such
+    as one of transformers' attention functions) or any other object (that one instance only:
+    the wrap gets the bound method). ``wrap`` is the reference key: the same ``wrap`` on the
+    same attribute shares the patch.
 
     Args:
-        target: a module, a module's dotted name, a class, or an instance.
-        name: the attribute to patch.
+        target: a module, a module's dotted name, a class, a dict, or an instance.
+        name: the attribute (or dict key) to patch.
         wrap: a callable taking the original and returning its replacement; also the
             reference key.
 
@@ -144,6 +195,7 @@ def patch_attribute(target: Any, name: str, wrap: Wrap) -> PatchHandle:
 
     Raises:
         AttributeError: ``target`` has no attribute ``name`` (nothing is patched).
+        KeyError: ``target`` is a dict without the key ``name`` (nothing is patched).
         ImportError: ``target`` is a dotted name that cannot be imported.
     """
     if isinstance(target, str):
@@ -153,6 +205,8 @@ def patch_attribute(target: Any, name: str, wrap: Wrap) -> PatchHandle:
         if isinstance(target, types.ModuleType)
         else "class"
         if isinstance(target, type)
+        else "mapping"
+        if isinstance(target, dict)
         else "instance"
     )
     with _lock:
@@ -185,6 +239,8 @@ def patch_count(target: Any, name: str) -> int:
 
 
 def _new_slot(target: Any, name: str, kind: str) -> _Slot:
+    if kind == "mapping":
+        return _Slot(target, name, kind, target[name], target[name])
     base = inspect.getattr_static(target, name) if kind == "class" else getattr(target, name)
     own = vars(target).get(name, _ABSENT) if hasattr(target, "__dict__") else _ABSENT
     return _Slot(target, name, kind, own, base)
@@ -203,19 +259,18 @@ def _compose(slot: _Slot) -> Any:
 def _apply(slot: _Slot) -> None:
     if slot.layers:
         value = _compose(slot)
-        setattr(slot.target, slot.name, value)
+        slot.put(value)
         slot.installed = value
         return
     if slot.original is _ABSENT:
-        delattr(slot.target, slot.name)
+        slot.drop()
     else:
-        setattr(slot.target, slot.name, slot.original)
+        slot.put(slot.original)
     del _slots[(id(slot.target), slot.name)]
 
 
 def _still_ours(slot: _Slot) -> bool:
-    current = vars(slot.target).get(slot.name, _ABSENT)
-    return current is slot.installed
+    return slot.own() is slot.installed
 
 
 def _warn_replaced(slot: _Slot) -> None:
