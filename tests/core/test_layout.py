@@ -5,6 +5,8 @@ between backends is a property or method of the backend."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import bcg_core
@@ -50,3 +52,13 @@ def test_runtime_modules_do_not_branch_on_device_type_strings() -> None:
 def test_the_walk_catches_a_device_type_branch() -> None:
     source = 'def f(t):\n    return t.device.type == "cuda" or t in ("cpu",)\n'
     assert len(_device_type_comparisons(source, "planted.py")) == 2
+
+
+def test_importing_bcg_core_does_not_import_dynamo() -> None:
+    # torch._dynamo costs about 1.4 s to import; bcg only needs it once something compiles
+    # (a module-level torch._dynamo.disable in opaque.py once made every import pay for it).
+    code = "import sys, bcg_core; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert done.stdout.strip() == "False"

@@ -130,10 +130,13 @@ def _apply(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
     return _box(_rebuild(layout.out_leaves, outs, layout.out_spec)), 0
 
 
-@torch._dynamo.disable  # type: ignore[untyped-decorator]
-def _eager(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``function(*args, **kwargs)``, never traced: where dynamo meets it, a graph break."""
+def _call(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return function(*args, **kwargs)
+
+
+# ``function(*args, **kwargs)``, never traced: where dynamo meets it, a graph break. torch's
+# lazy form: ``torch._dynamo.disable`` at import would import dynamo (1.4 s) for every user.
+_eager = torch._disable_dynamo(_call)  # type: ignore[attr-defined]
 
 
 _warned: set[str] = set()
