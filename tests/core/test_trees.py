@@ -280,3 +280,34 @@ def test_breakable_attention_keeps_namedtuple_type(device: str) -> None:
         q.fill_(3.0)
         graph.replay()
         assert torch.equal(out.lse, torch.full((2,), 4.0))
+
+
+def test_the_flat_fast_path_gives_the_walks_signature() -> None:
+    # A call of plain tensors, plain values and lifted scalars (positional or keyword) skips
+    # the walk; its signature must be the walk's, or a replay would miss (or worse, share).
+    from bcg_core._signature import (  # noqa: PLC2701
+        ScalarInput,
+        signature_and_tensors,
+        walked_signature,
+    )
+
+    a, b = torch.zeros(2, 3), torch.ones(4, dtype=torch.float16)
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        ((a, b), {}),
+        ((), {"hidden": a, "temb": b}),
+        ((a,), {"t": ScalarInput(float), "guidance": b, "mode": "x", "n": 3, "dt": torch.int8}),
+        ((a, None, 2.5, True), {"z": b, "a": a}),
+        ((), {}),
+    ]
+    for args, kwargs in calls:
+        fast, fast_live = signature_and_tensors(args, kwargs)
+        slow, slow_live = walked_signature(args, kwargs)
+        assert fast == slow and hash(fast) == hash(slow), (args, kwargs)
+        assert [t is u for t, u in zip(fast_live, slow_live, strict=True)] == [True] * len(
+            slow_live
+        )
+    # Different keyword names, kinds or shapes are different signatures.
+    assert signature_and_tensors((), {"x": a})[0] != signature_and_tensors((), {"y": a})[0]
+    assert signature_and_tensors((), {"x": a})[0] != signature_and_tensors((), {"x": 1})[0]
+    assert signature_and_tensors((a,), {})[0] != signature_and_tensors((), {"x": a})[0]
+    assert signature_and_tensors((a,), {})[0] != signature_and_tensors((b,), {})[0]

@@ -17,8 +17,8 @@ container types, dict keys, field and attribute names, lengths) plus one key per
   value; every other leaf by identity (the runner keeps such objects alive with their entry, so
   an id cannot be recycled under it).
 
-A call of plain tensors only (the serving hot path) skips the walk: its signature is built
-directly, equal to the one the walk would give.
+A call of plain tensors, plain values and lifted scalars only (the serving hot path, positional
+or keyword) skips the walk: its signature is built directly, equal to the one the walk gives.
 """
 
 from __future__ import annotations
@@ -84,10 +84,38 @@ def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
     return signature_and_tensors(args, kwargs)[0]
 
 
-@functools.lru_cache(maxsize=64)
-def _plain_spec(n: int) -> Any:
-    """The spec of ``n`` positional tensors and no keyword arguments."""
-    return _trees.flatten(_call(tuple(torch.empty(0, device="cpu") for _ in range(n)), {}))[1]
+@functools.lru_cache(maxsize=256)
+def _flat_spec(n_args: int, names: tuple[str, ...], tensors: tuple[bool, ...]) -> Any:
+    """The walk's spec of a call of ``n_args`` positional and ``names`` keyword leaves, each a
+    tensor or not as ``tensors`` says (every non-tensor leaf has the same spec)."""
+    leaves = [torch.empty(0, device="cpu") if t else 0 for t in tensors]
+    kwargs = dict(zip(names, leaves[n_args:], strict=True))
+    return _trees.flatten(_call(tuple(leaves[:n_args]), kwargs))[1]
+
+
+def _flat_signature(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Signature, list[torch.Tensor]] | None:
+    """The signature of a call whose arguments are all plain tensors, plain values and lifted
+    scalars (the serving hot path, positional or keyword), built without the walk and equal to
+    what it gives; None for any other call."""
+    names = tuple(sorted(kwargs)) if kwargs else ()
+    keys: list[Any] = []
+    live: list[torch.Tensor] = []
+    kinds: list[bool] = []
+    for leaf in (*args, *(kwargs[n] for n in names)) if names else args:
+        cls = type(leaf)
+        if cls is torch.Tensor:
+            keys.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device))
+            live.append(leaf)
+        elif cls is ScalarInput:
+            keys.append(("scalar", leaf.kind.__name__))
+        elif cls in _trees.SCALARS:
+            keys.append(("const", cls.__name__, leaf))
+        else:
+            return None
+        kinds.append(cls is torch.Tensor)
+    return (_flat_spec(len(args), names, tuple(kinds)), tuple(keys)), live
 
 
 def signature_and_tensors(
@@ -95,14 +123,14 @@ def signature_and_tensors(
 ) -> tuple[Signature, list[torch.Tensor]]:
     """The signature and, in one walk (a replay's hot path), the call's tensors that live in
     containers, in the order :func:`static_call` makes their static buffers."""
-    if not kwargs:
-        plain = []
-        for a in args:
-            if type(a) is not torch.Tensor:
-                break
-            plain.append(("tensor", a.shape, a.dtype, a.device))
-        else:
-            return (_plain_spec(len(args)), tuple(plain)), list(args)
+    flat = _flat_signature(args, kwargs)
+    return flat if flat is not None else walked_signature(args, kwargs)
+
+
+def walked_signature(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Signature, list[torch.Tensor]]:
+    """:func:`signature_and_tensors` by the walk, for any call."""
     leaves, spec = _trees.flatten(_call(args, kwargs))
     keys: list[Any] = []
     live: list[torch.Tensor] = []

@@ -85,7 +85,7 @@ TreeSpec = Any
 _DATACLASS, _OBJECT, _PYTREE = "dataclass", "object", "pytree"
 
 # Hot paths (runner signatures, the CPU recorder) meet these most: decided without lookups.
-_SCALARS = frozenset({int, float, bool, str, type(None), complex, bytes, torch.dtype, torch.device})
+SCALARS = frozenset({int, float, bool, str, type(None), complex, bytes, torch.dtype, torch.device})
 
 
 def _kind(obj: Any) -> str | None:
@@ -180,7 +180,7 @@ def _flatten(obj: Any, leaves: list[Any], active: set[int]) -> TreeSpec:
         leaves.append(obj)
         return TENSOR
     cls = type(obj)
-    if cls in _SCALARS:
+    if cls in SCALARS:
         leaves.append(obj)
         return VALUE
     if cls is tuple or cls is list:  # what pytree gives them: the items, context None
@@ -220,7 +220,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], *, into_objects: bo
 def _map(obj: Any, fn: Callable[[torch.Tensor], Any], into_objects: bool, active: set[int]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
-    if type(obj) in _SCALARS:
+    if type(obj) in SCALARS:
         return obj
     kind = _kind(obj)
     if kind is None or id(obj) in active or (kind != _PYTREE and not into_objects):
