@@ -6,14 +6,18 @@
 #   bench    the full `bcg bench` (every installed workload), JSON + PNG
 #   demo     `bcg demo`
 #   scripts  benchmarks/bench_core.py and benchmarks/bench_dit.py
-#   stress   the stress suite's long form (BCG_STRESS_CYCLES, default 12000) under faulthandler
-#   probes   the GPU probes in benchmarks/ (compiled breaks, capture profile), logs only
-#   race     benchmarks/probe_graph_race.py: two threads churning torch graphs, bare and via bcg
+#   stress   the stress suite's long form (BCG_STRESS_CYCLES, default 12000; BCG_STRESS_TIMEOUT)
+#            under faulthandler
+#   probes   the GPU probes in benchmarks/ (compiled breaks), logs only
+#   race     benchmarks/probe_graph_race.py: graphs made, captured and dropped in one or two
+#            threads, bare torch and through bcg, each variant in a child process
+#            (BCG_RACE_ITERATIONS, default 3000)
 # `bcg` runs from the installed wheels because workloads are found through entry points, which
 # need installed metadata. Logs and results are written to a scratch folder and packed into
 # $OUT/results.tgz on exit (the device tool brings back at most 8 files).
 # Usage on the GPU machine: tools/device_run.sh tests bench demo [-- extra bench args]
-# (BCG_BENCH_TIMEOUT=SECONDS for a longer bench, e.g. `hf-llama flux --repeats 15` alone)
+# (BCG_BENCH_TIMEOUT=SECONDS for a longer bench, e.g. `hf-llama flux --repeats 15` alone;
+# BCG_TESTS_TIMEOUT for the suite: one process takes about 310 s on the H200)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dest="${OUT:-device-out}"; out="${BCG_SCRATCH:-/tmp/bcg-results}"; rm -rf "$out"; mkdir -p "$dest" "$out"
