@@ -145,7 +145,9 @@ class PatchHandle(Removable):
         Returns:
             The number of references; 0 when bcg has no patch there.
         """
-        return patch_count(target, name)
+        with _lock:
+            slot = _slots.get((id(target), name))
+            return 0 if slot is None else sum(slot.layers.values())
 
     @classmethod
     def patch_all(cls, patches: Iterable[tuple[Any, str, Wrap]]) -> PatchHandle:
@@ -229,13 +231,6 @@ def patch_attribute(target: Any, name: str, wrap: Wrap) -> PatchHandle:
                 raise
             _slots[key] = slot
         return PatchHandle([(slot, wrap)], (slot.describe(),))
-
-
-def patch_count(target: Any, name: str) -> int:
-    """References currently held on ``target.name`` (all wraps together)."""
-    with _lock:
-        slot = _slots.get((id(target), name))
-        return 0 if slot is None else sum(slot.layers.values())
 
 
 def _new_slot(target: Any, name: str, kind: str) -> _Slot:
