@@ -13,6 +13,7 @@ use the default mode.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -256,6 +257,56 @@ def test_breakable_sdpa_llama_is_one_dynamo_graph() -> None:
         with enable_breakable_cuda_graph():
             explained = torch._dynamo.explain(decode)(torch.tensor([[7]]))
     assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+def test_compiled_sdpa_llama_keeps_only_the_sdpa_call_opaque() -> None:
+    """Under torch.compile a bcg_sdpa layer's opaque op is the scaled_dot_product_attention call
+    alone: repeat_kv and the output's transpose and copy are in the compiled graph (a whole-
+    function break would run them eagerly at every replay, host time the compiled segments
+    cannot hide)."""
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.backends.common import aot_autograd  # noqa: PLC2701
+
+    import bcg_core
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, _: Any) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=bcg_core.breakable_attention("sdpa"), dtype=torch.float32
+    ).eval()
+    cache = transformers.StaticCache(config=config, max_cache_len=32)
+
+    def decode(ids: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        return logits
+
+    ids = torch.tensor([[7]])
+    with torch.no_grad():
+        decode(torch.arange(5)[None])  # prefill
+        expected = model(input_ids=ids, past_key_values=copy.deepcopy(cache), use_cache=True)
+        compiled = torch.compile(decode, backend=aot_autograd(fw_compiler=keep), fullgraph=True)
+        got = compiled(ids)
+    (graph,) = graphs
+    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    opaque = [t for t in targets if "bcg" in str(t)]
+    assert opaque == [torch.ops.bcg.opaque.default] * config.num_hidden_layers
+    assert torch.ops.aten.expand.default in targets  # repeat_kv, compiled
+    assert torch.ops.aten.scaled_dot_product_attention.default not in targets  # inside the op
+    for node in graph.graph.nodes:
+        if node.target == torch.ops.bcg.opaque.default:  # the boolean mask made additive before
+            dtypes = [t.meta["val"].dtype for t in node.args[1]]
+            assert torch.bool not in dtypes and torch.float32 in dtypes
+    torch.testing.assert_close(got, expected.logits, rtol=0, atol=0)
 
 
 @eager_on_graph(name="cc.cache")

@@ -152,3 +152,37 @@ def test_compiled_llama_decode_through_the_runner_equals_the_compiled_step() -> 
             assert torch.equal(got, expected)
             ids = expected[:, -1:].argmax(-1)
     assert runner.stats.hits == 3 and runner.stats.failed_captures == 0
+
+
+def test_compiled_sliding_window_layer_is_refused_at_capture() -> None:
+    """Compiled, the sdpa op carries the layer's sliding-window reason (read at trace time) and
+    refuses the capture with it; the runner then serves that signature with the compiled step."""
+    transformers = pytest.importorskip("transformers")
+    from test_cpu_transformers import SMALL
+
+    torch.manual_seed(0)
+    model = (
+        transformers.AutoModelForCausalLM.from_config(
+            transformers.MistralConfig(**SMALL, sliding_window=16),
+            attn_implementation=bcg_core.breakable_attention("sdpa"),
+            dtype=torch.bfloat16,
+        )
+        .to("cuda")
+        .eval()
+    )
+    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+    prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2)).cuda()
+
+    def decode(ids: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        return logits
+
+    torch._dynamo.reset()
+    runner = BreakableGraphRunner(torch.compile(decode, backend="aot_eager", fullgraph=True))
+    with torch.no_grad():
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        runner.capture(prompt[:, -1:])
+    (why,) = runner.blocked_signatures.values()
+    assert "CaptureError" in why and "sliding-window attention" in why
+    assert runner.stats.entries == ()
+    assert not bcg_core.is_breakable_capture_active()

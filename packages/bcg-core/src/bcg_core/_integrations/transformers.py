@@ -181,32 +181,34 @@ def _make_breakable(
             )
         return out
 
-    # Under torch.compile the whole attention call is one opaque op (nothing dynamo traces reads
-    # the flag or the capture). The op cannot take the module, so it gets the module attributes
-    # sdpa's function reads, on a stand-in. At run time the op is the break: the whole function
-    # (its fused kernel cannot be singled out there, as torch runs a custom op's implementation
-    # below the Python dispatch modes that find it; the code around it is compiled anyway).
-    def run_compiled(layer: tuple[Any, ...], *args: Any, **kwargs: Any) -> Any:
-        module = _StandIn(*layer)
-        if not is_in_breakable_cuda_graph():
-            return function(module, *args, **kwargs)
-        if is_breakable_capture_active():
-            _refuse_sliding_window(module, kwargs)
-        return as_break(module, *args, **kwargs)
+    # Under torch.compile dynamo traces transformers' function (repeat_kv, the transposes, the
+    # copies: compiled), and only its scaled_dot_product_attention call is one opaque op, routed
+    # there by a torch function mode that dynamo traces too. Nothing traced reads the flag or
+    # the capture: at run time the op runs a gated break of the sdpa call (the whole call, mask
+    # conversion included: the fused kernel cannot be singled out below a custom op, where
+    # Python dispatch modes do not reach). A sliding-window layer's reason, read at trace time
+    # from the module, is passed along, and the op refuses a capture with it.
+    sdpa_compiled = eager_on_graph(name=label, gated=True)(_sdpa)
 
-    def fake_compiled(layer: tuple[Any, ...], *args: Any, **kwargs: Any) -> Any:
-        return function(_StandIn(*layer), *args, **kwargs)
+    def run_sdpa(layer: tuple[str, int, str | None], *args: Any, **kwargs: Any) -> Any:
+        cls, index, why = layer
+        if why is not None and is_in_breakable_cuda_graph() and is_breakable_capture_active():
+            raise _sliding_window_error(cls, index, why)
+        return sdpa_compiled(*args, **kwargs)
 
-    opaque_id = opaque.register(run_compiled, fake_compiled, label)
+    def fake_sdpa(layer: tuple[str, int, str | None], *args: Any, **kwargs: Any) -> Any:
+        return _sdpa(*args, **kwargs)
+
+    sdpa_id = opaque.register(run_sdpa, fake_sdpa, label)
     graph_broken = torch._disable_dynamo(attention, recursive=True)  # type: ignore[attr-defined]
 
     def breakable(module: Any, *args: Any, **kwargs: Any) -> Any:
         if not _is_compiling():
             return attention(module, *args, **kwargs)
         if kernel_only:
-            layer = _StandIn.describe(module)
-            if opaque.traceable((layer, args), kwargs):
-                return opaque.call(opaque_id, (layer, *args), kwargs)
+            layer = (type(module).__name__, getattr(module, "layer_idx", -1))
+            with _SdpaAsOpaqueOp(sdpa_id, (*layer, _sliding_window(module, kwargs))):
+                return function(module, *args, **kwargs)
         return graph_broken(module, *args, **kwargs)  # other bases read any module attribute
 
     breakable.__name__ = breakable.__qualname__ = f"{name}_attention_forward"
@@ -214,28 +216,42 @@ def _make_breakable(
     return breakable
 
 
+class _SdpaAsOpaqueOp(TorchFunctionMode):
+    """While dynamo traces one sdpa attention function: its
+    ``scaled_dot_product_attention`` call becomes the opaque op ``function_id`` names, taking
+    ``layer`` (constants) before the call's arguments; every other call is traced as usual."""
+
+    def __init__(self, function_id: int, layer: tuple[str, int, str | None]) -> None:
+        super().__init__()
+        self._id = function_id
+        self._layer = layer
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        bound = _sdpa_arguments(*args, **kwargs)
+        mask = None if bound is None else bound[3]
+        if bound is not None and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+            # sdpa's first step, turning a boolean mask into an additive one (0 where True,
+            # -inf where False, in the query's dtype: the same values), done here so that
+            # inductor compiles it and the break at every replay is the attention alone.
+            q, k, v, _, dropout_p, is_causal, scale, enable_gqa = bound
+            additive = torch.zeros_like(mask, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+            args, kwargs = (q, k, v), {
+                "attn_mask": additive, "dropout_p": dropout_p, "is_causal": is_causal,
+                "scale": scale, "enable_gqa": enable_gqa,
+            }  # fmt: skip
+        return opaque.call(self._id, (self._layer, *args), kwargs)
+
+
 _is_compiling = torch.compiler.is_compiling
-
-
-class _StandIn:
-    """What transformers' sdpa attention function and bcg read from the attention module (the
-    key/value group count, ``is_causal``; the layer index and class name for errors), as
-    values an opaque op can take."""
-
-    def __init__(self, groups: int, is_causal: bool, layer_idx: int, cls: str) -> None:
-        self.num_key_value_groups = groups
-        self.is_causal = is_causal
-        self.layer_idx = layer_idx
-        self.class_name = cls
-
-    @staticmethod
-    def describe(module: Any) -> tuple[Any, ...]:
-        return (
-            getattr(module, "num_key_value_groups", 1),
-            getattr(module, "is_causal", True),
-            getattr(module, "layer_idx", -1),
-            type(module).__name__,
-        )
 
 
 _WINDOWED_LAYERS = ("sliding_attention", "chunked_attention")
@@ -289,18 +305,19 @@ def _refuse_sliding_window(module: Any, kwargs: dict[str, Any]) -> None:
     the model's positions come from it), which a graph freezes. Every replay at another
     position would then attend with the capture's mask: wrong logits, no error."""
     why = _sliding_window(module, kwargs)
-    if why is None:
-        return
-    raise CaptureError(
-        f"{getattr(module, 'class_name', type(module).__name__)} "
-        f"(layer {getattr(module, 'layer_idx', '?')}) uses "
-        f"sliding-window attention ({why}): transformers keeps the position "
-        "of sliding-window cache layers in a Python int, which a graph would freeze, so every "
-        "replay at another position would use the capture's mask and positions. Capture only "
-        "full-attention models: when the context never exceeds the window, build the model "
-        "with config.sliding_window = None (Mistral, Phi-3), use_sliding_window = False "
-        '(Qwen2, Qwen2-MoE) or every layer_types entry "full_attention"; otherwise run this '
-        "model eagerly."
+    if why is not None:
+        raise _sliding_window_error(type(module).__name__, getattr(module, "layer_idx", "?"), why)
+
+
+def _sliding_window_error(cls: str, layer: object, why: str) -> CaptureError:
+    return CaptureError(
+        f"{cls} (layer {layer}) uses sliding-window attention ({why}): transformers keeps the "
+        "position of sliding-window cache layers in a Python int, which a graph would freeze, "
+        "so every replay at another position would use the capture's mask and positions. "
+        "Capture only full-attention models: when the context never exceeds the window, build "
+        "the model with config.sliding_window = None (Mistral, Phi-3), use_sliding_window = "
+        'False (Qwen2, Qwen2-MoE) or every layer_types entry "full_attention"; otherwise run '
+        "this model eagerly."
     )
 
 

@@ -353,8 +353,30 @@ def compiled_graph_contender(ctx: BenchContext, step: Callable[[], torch.Tensor]
         capture_ms=ms,
         segments=1,
         keep_alive=(step, compiled),
-        check=replay_check(ctx, _replaying(graph.replay, out), compiled),
+        check=_explained(ctx, replay_check(ctx, _replaying(graph.replay, out), compiled), compiled),
     )
+
+
+def _explained(
+    ctx: BenchContext, check: Callable[[], bool], compiled: Callable[[], torch.Tensor]
+) -> Callable[[], bool]:
+    """``check``, which on failure also logs whether the compiled step itself, run twice
+    without a graph, gives the same bits (a graph cannot be expected to match a step that
+    does not match itself)."""
+
+    def explained() -> bool:
+        if check():
+            return True
+        first = compiled().clone()
+        second = compiled()
+        ctx.synchronize()
+        ctx.progress(
+            "compiled_graph differs from the compiled step run without a graph; two such runs "
+            f"differ by at most {_max_error(first, second):.3g}"
+        )
+        return False
+
+    return explained
 
 
 def bcg_compile_contender(
