@@ -63,7 +63,7 @@ def _instrument() -> None:
     _timing(torch.cuda.CUDAGraph, "instantiate", "torch CUDAGraph.instantiate (keep_graph)")
     _timing(torch.cuda.CUDAGraph, "replay", "torch CUDAGraph.replay (faithful + first replays)")
     _timing(RUNTIME, "capture_info", "cudart capture_info query")
-    _timing(RUNTIME, "graph_node_count", "cudart graph_node_count query")
+    _timing(RUNTIME, "capture_node_count", "cudart capture_node_count query")
     _timing(cuda_backend.CudaSegment, "capture_begin", "bcg CudaSegment.capture_begin")
     _timing(cuda_backend.CudaSegment, "capture_end", "bcg CudaSegment.capture_end")
     _timing(capture_mod.CaptureState, "begin_segment", "bcg CaptureState.begin_segment")

@@ -45,3 +45,36 @@ def test_dit_runner_over_compiled_flux_records_every_attention_op() -> None:
             assert runner.stats.hits == 1
     finally:
         runner.close()
+
+
+def test_the_flux_bench_compiles_a_fair_model_no_bcg_patch_reaches() -> None:
+    """The flux workload's torch.compile contender: the same model built from a second import
+    of diffusers' Flux module, which bcg's patch (module globals, which dynamo guards on by
+    module name) does not reach: one dynamo graph without any bcg op, same outputs."""
+    from bcg_diffusion._flux_workload import _unpatched_copy  # noqa: PLC2701
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, _: object) -> torch.fx.GraphModule:
+        graphs.append(gm)
+        return gm
+
+    def bcg_ops(gm: torch.fx.GraphModule) -> list[str]:
+        return [str(n.target) for n in gm.graph.nodes if "nonstrict" in str(n.target)]
+
+    torch._dynamo.reset()
+    model, step, latents = flux_model()
+    plain = _unpatched_copy(model)
+    t = torch.tensor([0.5])
+    with make_attention_ops_breakable(model), torch.no_grad():
+        expected = step(latents, t)
+        torch.compile(step, backend=keep, fullgraph=True)(latents, t)
+        model_forward = model.forward
+        model.forward = plain.forward  # type: ignore[method-assign]  # same step, plain model
+        try:
+            got = torch.compile(step, backend=keep, fullgraph=True)(latents, t)
+        finally:
+            model.forward = model_forward  # type: ignore[method-assign]
+    patched, fair = graphs
+    assert len(bcg_ops(patched)) == 4 and bcg_ops(fair) == []
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
