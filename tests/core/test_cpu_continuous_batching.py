@@ -182,6 +182,7 @@ def test_varlen_break_feeds_each_request_its_own_keys(monkeypatch: pytest.Monkey
     alignment, GQA by repeated heads) on the CPU, with a per-sequence reference kernel standing
     in for torch's CUDA-only varlen_attn: greedy tokens equal the eager engine's (float32)."""
     monkeypatch.setattr(cb, "_VARLEN_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(cb, "_VARLEN_DTYPES", (torch.float32,))  # the reference kernel's
     monkeypatch.setattr(cb, "_varlen_attn", lambda: reference_varlen)
     cb._varlen_keywords.cache_clear()
     try:
@@ -205,6 +206,11 @@ def test_varlen_is_refused_where_it_has_no_kernel(monkeypatch: pytest.MonkeyPatc
     assert vars(model_runner.ModelRunner)["compute_batch"] is compute  # nothing patched
     monkeypatch.setattr(cb, "_VARLEN_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(cb, "_varlen_attn", lambda: reference_varlen)
+    # The flash kernel takes half precision only: a float32 model would fail every capture.
+    with pytest.raises(ValueError, match=r"float16 and bfloat16 only .* torch.float32"):
+        bcg_core.enable_continuous_batching(model, attention="varlen")
+    assert vars(model_runner.ModelRunner)["compute_batch"] is compute  # nothing patched
+    monkeypatch.setattr(cb, "_VARLEN_DTYPES", (torch.float32,))
     with (
         bcg_core.enable_continuous_batching(model),
         pytest.raises(ValueError, match=r"already enabled .* remove that handle first"),

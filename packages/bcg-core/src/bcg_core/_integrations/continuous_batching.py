@@ -44,6 +44,7 @@ logger = logging.getLogger("bcg_core")
 SUPPORTED_TRANSFORMERS = ("5.17",)
 _PAGED = "paged|"
 _VARLEN_DEVICES = ("cuda",)  # where torch's varlen_attn has a kernel
+_VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # what that kernel takes
 _ATTENTION = ("paged|sdpa", "paged|eager")
 _EXTRA = 'pip install "bcg-core[transformers]"'
 
@@ -165,9 +166,9 @@ def enable_continuous_batching(
         ImportError: transformers is missing or not a supported version (5.17).
         ValueError: the model's attention is another one (flash, flex), or ``attention`` is
             unknown or ``"varlen"`` where torch has no ``varlen_attn``; nothing is patched.
-        ``"varlen"`` is also refused for a model off CUDA, and when the engine starts for a
-        model with sliding-window layers. Asynchronous batching is turned off (with a
-        warning) for an enabled model's engines.
+        ``"varlen"`` is also refused for a model off CUDA or not in float16/bfloat16, and
+        when the engine starts for a model with sliding-window layers. Asynchronous batching
+        is turned off (with a warning) for an enabled model's engines.
     """
     _check_transformers()
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -189,6 +190,14 @@ def enable_continuous_batching(
         raise ValueError(
             'bcg continuous batching: attention="varlen" runs a CUDA kernel (the model is on '
             f'{device}); use attention="paged"'
+        )
+    dtype = getattr(model, "dtype", None)
+    if attention == "varlen" and dtype not in _VARLEN_DTYPES:
+        # Else every capture would fail inside the kernel and the engine run eagerly.
+        raise ValueError(
+            f'bcg continuous batching: attention="varlen" runs a flash kernel, which takes '
+            f'float16 and bfloat16 only (the model is {dtype}); use attention="paged", or '
+            "cast the model (model.to(torch.bfloat16))"
         )
     with _lock:
         record = _enabled.get(model)

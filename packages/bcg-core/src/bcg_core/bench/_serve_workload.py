@@ -127,6 +127,11 @@ def _case(
     model = _model(transformers, config, ctx.device, dtype)
     requests = _requests(ctx.smoke, config.vocab_size)
     names = [c for c in CONTENDERS if c not in ctx.skip and (cuda or c not in CUDA_ONLY)]
+    skipped = []
+    if dtype not in (torch.float16, torch.bfloat16) and BCG_VARLEN in names:
+        names.remove(BCG_VARLEN)  # its flash kernel takes half precision only
+        why = f"varlen_attn's flash kernel takes float16 and bfloat16, not {dtype}"
+        skipped.append(Measurement(WORKLOAD, case, BCG_VARLEN, None, skipped=why))
     runs: dict[str, list[_Run]] = {c: [] for c in names}
     repeats = 1 if ctx.smoke else max(1, min(ctx.repeats, 2))
     try:
@@ -137,7 +142,7 @@ def _case(
     finally:
         del model
         gc.collect()
-    return _measurements(case, runs, cuda)
+    return _measurements(case, runs, cuda) + skipped
 
 
 def _serve(
