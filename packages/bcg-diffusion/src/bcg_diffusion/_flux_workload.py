@@ -12,11 +12,11 @@ Contenders: eager, one full CUDA graph (flag off, attention captured), bcg throu
 :class:`DiTRunner` (``return_views=True``, as a graph replay returns nothing either) and
 torch.compile of the same step, then the compiled kernels: ``compiled_graph`` (the step compiled
 in the default mode, one plain CUDA graph) and ``bcg+compile`` (a runner over the compiled step,
-attention ops still the breaks), both checked bitwise against the compiled step. The
-torch.compile contender is fair: it compiles the same model built from a second import of its
-diffusers module, which bcg's patch (module globals) does not reach, so no bcg op is in its
-graph; its one-graph check holds. Skipped with the reason when diffusers
-is not installed.
+attention ops still the breaks), both checked against the compiled step (bitwise where it
+reproduces itself; see ``bcg_core.bench.compiled_graph_contender``). The torch.compile contender
+is fair: it compiles the same model built from a second import of its diffusers module, which
+bcg's patch (module globals) does not reach, so no bcg op is in its graph; its one-graph check
+holds. Skipped with the reason when diffusers is not installed.
 """
 
 from __future__ import annotations
@@ -121,10 +121,15 @@ def flux_workload(ctx: BenchContext) -> list[Measurement]:
                     "torch.compile",
                     lambda: compile_contender(ctx, plain_step, step, exact_output),
                 ),
-                ctx.build("compiled_graph", lambda: compiled_graph_contender(ctx, step)),
+                ctx.build(
+                    "compiled_graph",
+                    lambda: compiled_graph_contender(ctx, step, (step, exact_output)),
+                ),
                 ctx.build(
                     "bcg+compile",
-                    lambda: bcg_compile_contender(ctx, step, replay_context=replay_token_scope),
+                    lambda: bcg_compile_contender(
+                        ctx, step, (step, exact_output), replay_context=replay_token_scope
+                    ),
                 ),
             ]
             case = f"{grid}x{grid} latents, {text_len} text tokens"

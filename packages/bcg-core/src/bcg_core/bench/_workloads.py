@@ -317,16 +317,65 @@ def _compiled_only(ctx: BenchContext, name: str) -> Contender | None:
     return None
 
 
-def compiled_graph_contender(ctx: BenchContext, step: Callable[[], torch.Tensor]) -> Contender:
+Exact = tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]] | None
+
+
+def compiled_check(
+    ctx: BenchContext,
+    name: str,
+    run: Callable[[], torch.Tensor],
+    compiled: Callable[[], torch.Tensor],
+    exact: Exact = None,
+) -> Callable[[], bool]:
+    """A :attr:`Contender.check` for a graph of compiled code: bitwise against the compiled step
+    run without a graph, when that step reproduces itself.
+
+    Inductor's code is not always bitwise reproducible: on the H200 (torch 2.11) the
+    ``hf-llama`` step compiled at batch 8 differed between two plain calls by up to 0.0156,
+    with no graph involved (``benchmarks/probe_compiled_bits.py``), so a graph of it cannot be
+    held to its bits. The check runs the compiled step twice: if the runs are equal, one more
+    ``run()`` must equal them bitwise; otherwise it is held to torch.compile's tolerance (its
+    error against the float32 step at most twice eager's, with ``exact`` = ``(eager step,
+    float32 step)``; without ``exact``, it fails). Which test was applied is logged.
+    """
+
+    def check() -> bool:
+        first = compiled().clone()
+        second = compiled().clone()
+        got = run()
+        ctx.synchronize()
+        if _equal(first, second):
+            return _equal(got, first)
+        spread = _max_error(first, second)
+        if exact is None:
+            ctx.progress(f"{name}: the compiled step differs from itself by {spread:.3g}")
+            return False
+        eager, truth = (f().clone() for f in exact)
+        bound = 2 * _max_error(eager, truth) + 1e-6
+        error = _max_error(got, truth)
+        ctx.progress(
+            f"{name}: the compiled step differs from itself by {spread:.3g} (not reproducible), "
+            f"so checked against float32: error {error:.3g}, bound {bound:.3g}"
+        )
+        return error <= bound
+
+    return check
+
+
+def compiled_graph_contender(
+    ctx: BenchContext, step: Callable[[], torch.Tensor], exact: Exact = None
+) -> Contender:
     """The limit for compiled kernels: ``torch.compile(step)`` in one plain CUDA graph.
 
-    Default mode, ``fullgraph``; its breaks, with the flag off, run inside it. Checked bitwise
-    against the compiled step run without a graph; capture ms are the compile (warm-ups) plus
-    the capture.
+    Default mode, ``fullgraph``; its breaks, with the flag off, run inside it. Checked against
+    the compiled step run without a graph (:func:`compiled_check`); capture ms are the compile
+    (warm-ups) plus the capture.
 
     Args:
         ctx: the bench context.
         step: the step to compile and capture, returning its output tensor.
+        exact: ``(eager step, float32 step)``, for the check's tolerance (see
+            :func:`compiled_check`); default None.
 
     Returns:
         The ``compiled_graph`` contender (skipped without CUDA and in ``--smoke``).
@@ -353,44 +402,27 @@ def compiled_graph_contender(ctx: BenchContext, step: Callable[[], torch.Tensor]
         capture_ms=ms,
         segments=1,
         keep_alive=(step, compiled),
-        check=_explained(ctx, replay_check(ctx, _replaying(graph.replay, out), compiled), compiled),
+        check=compiled_check(ctx, COMPILED_GRAPH, _replaying(graph.replay, out), compiled, exact),
     )
 
 
-def _explained(
-    ctx: BenchContext, check: Callable[[], bool], compiled: Callable[[], torch.Tensor]
-) -> Callable[[], bool]:
-    """``check``, which on failure also logs whether the compiled step itself, run twice
-    without a graph, gives the same bits (a graph cannot be expected to match a step that
-    does not match itself)."""
-
-    def explained() -> bool:
-        if check():
-            return True
-        first = compiled().clone()
-        second = compiled()
-        ctx.synchronize()
-        ctx.progress(
-            "compiled_graph differs from the compiled step run without a graph; two such runs "
-            f"differ by at most {_max_error(first, second):.3g}"
-        )
-        return False
-
-    return explained
-
-
 def bcg_compile_contender(
-    ctx: BenchContext, step: Callable[[], torch.Tensor], **runner_options: Any
+    ctx: BenchContext,
+    step: Callable[[], torch.Tensor],
+    exact: Exact = None,
+    **runner_options: Any,
 ) -> Contender:
     """bcg over compiled kernels: a runner over ``torch.compile(step)``.
 
-    Default mode, ``fullgraph``; the breaks stay breaks (opaque ops). Checked bitwise against
-    the compiled step run without a graph; capture ms are the compile (the runner's warm-ups)
-    plus the capture.
+    Default mode, ``fullgraph``; the breaks stay breaks (opaque ops). Checked against the
+    compiled step run without a graph (:func:`compiled_check`); capture ms are the compile (the
+    runner's warm-ups) plus the capture.
 
     Args:
         ctx: the bench context.
         step: the step to compile, returning its output tensor.
+        exact: ``(eager step, float32 step)``, for the check's tolerance (see
+            :func:`compiled_check`); default None.
         **runner_options: passed to :class:`bcg_core.BreakableGraphRunner`.
 
     Returns:
@@ -417,7 +449,7 @@ def bcg_compile_contender(
         pool_mb=None if entry.pool_bytes is None else entry.pool_bytes / 2**20,
         segments=entry.segments,
         keep_alive=(step, compiled, runner),
-        check=replay_check(ctx, call, compiled),
+        check=compiled_check(ctx, BCG_COMPILE, call, compiled, exact),
     )
 
 
@@ -473,6 +505,7 @@ def _decoder_case(
     ctx.progress(f"decoder batch={batch}: building contenders")
     with torch.no_grad():
         step = decode_step(model, batch)
+        exact = (step, lambda: decode_step(exact_model(), batch)())
         # torch.compile last: with the peer captured after its cudagraph trees had recorded,
         # one H200 run hit an illegal address while timing (each of the two alone ran clean).
         contenders = [
@@ -492,8 +525,8 @@ def _decoder_case(
                     lambda: decode_step(exact_model(), batch)(),
                 ),
             ),
-            ctx.build(COMPILED_GRAPH, lambda: compiled_graph_contender(ctx, step)),
-            ctx.build(BCG_COMPILE, lambda: bcg_compile_contender(ctx, step)),
+            ctx.build(COMPILED_GRAPH, lambda: compiled_graph_contender(ctx, step, exact)),
+            ctx.build(BCG_COMPILE, lambda: bcg_compile_contender(ctx, step, exact)),
         ]
         return ctx.compare("decoder", f"batch={batch}", contenders)
 
