@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -153,3 +154,34 @@ def test_bench_unknown_workload(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_core_workloads_are_built_in() -> None:
     assert {"decoder", "break-overhead"} <= set(discover())
+
+
+def test_compiled_check_is_bitwise_unless_the_compiled_step_varies() -> None:
+    """The compiled contenders' check: a replay equal to one result of the compiled step is
+    right; one equal to none, where the step reproduced itself, is wrong; where the step gives
+    several results (inductor's hf-llama code at batch 8 on the H200), torch.compile's tolerance
+    against float32 decides."""
+    from bcg_core.bench import BenchContext
+    from bcg_core.bench._workloads import COMPILED_RUNS, compiled_check  # noqa: PLC2701
+
+    lines: list[str] = []
+    ctx = BenchContext(torch.device("cpu"), progress=lines.append)
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0625])
+    truth, eager = torch.tensor([1.0, 2.03]), torch.tensor([1.0, 2.0])  # eager's error: 0.03
+
+    def results(*values: torch.Tensor) -> Any:
+        calls = iter(values * COMPILED_RUNS)
+        return lambda: next(calls)
+
+    exact = (lambda: eager, lambda: truth)
+    assert compiled_check(ctx, "c", lambda: a, results(a), exact)()
+    assert compiled_check(ctx, "c", lambda: b, results(a, b), exact)()  # one of its results
+    assert not compiled_check(ctx, "c", lambda: b, results(a), exact)()
+    assert "reproduced itself" in lines[-1]
+    varies = results(a, torch.tensor([1.0, 2.0078]))
+    assert compiled_check(ctx, "c", lambda: torch.tensor([1.0, 2.05]), varies, exact)()
+    assert "error 0.02, bound 0.06" in lines[-1]
+    varies = results(a, torch.tensor([1.0, 2.0078]))
+    assert not compiled_check(ctx, "c", lambda: torch.tensor([1.0, 2.5]), varies, exact)()
+    varies = results(a, torch.tensor([1.0, 2.0078]))
+    assert not compiled_check(ctx, "c", lambda: b, varies)()  # no float32 step to judge by
