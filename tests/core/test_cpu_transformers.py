@@ -315,3 +315,59 @@ def test_every_sliding_window_family_is_refused(family: str) -> None:
     assert "CaptureError" in why and "sliding-window attention" in why
     assert runner.stats.entries == ()
     assert not bcg_core.is_breakable_capture_active()
+
+
+def _compiled_decode(family_config: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """A bcg_sdpa model prefilled on a StaticCache, compiled (aot_eager, fullgraph) for one
+    decode step: (the explain result, the compiled step's logits, eager's on a copy)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        family_config, attn_implementation=bcg_core.breakable_attention("sdpa"),
+        dtype=torch.float32,
+    ).eval()  # fmt: skip
+    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+
+    def decode(ids: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        return logits
+
+    ids = torch.tensor([[7]])
+    with torch.no_grad():
+        decode(torch.arange(5)[None])
+        reference = copy.deepcopy(cache)
+        expected = model(input_ids=ids, past_key_values=copy.deepcopy(cache), use_cache=True)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(decode)(ids)
+        for t, s in zip(cache_tensors(cache), cache_tensors(reference), strict=True):
+            t.copy_(s)  # explain ran the step once
+        got = torch.compile(decode, backend="aot_eager", fullgraph=True)(ids)
+    return explained, got, expected.logits
+
+
+@pytest.mark.parametrize("family", sorted({**FAMILIES, **MORE_FAMILIES}))
+def test_compiled_decode_is_one_graph_and_equals_eager(family: str) -> None:
+    explained, got, expected = _compiled_decode({**FAMILIES, **MORE_FAMILIES}[family]())
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_compiled_sliding_window_layers_carry_their_reason(family: str) -> None:
+    """Compiled, a sliding-window layer still traces to one graph, and its sdpa op carries the
+    reason the capture will refuse it with (tested end to end on CUDA, where captures run the
+    compiled code: test_cuda_compile.py)."""
+    from bcg_core._capture import opaque  # noqa: PLC2701
+
+    before = set(opaque._layouts)
+    explained, _, _ = _compiled_decode(WINDOWED[family]())
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    reasons = {
+        leaf
+        for key, layout in opaque._layouts.items()
+        if key not in before
+        for leaf in layout.leaves
+        if isinstance(leaf, str) and ("sliding" in leaf or "chunked" in leaf)
+    }
+    assert reasons, "no sdpa op of this model carries a sliding-window reason"
