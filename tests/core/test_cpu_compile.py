@@ -259,6 +259,34 @@ def test_breakable_sdpa_llama_is_one_dynamo_graph() -> None:
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
+@eager_on_graph(name="cc.scaled")
+def _scaled(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    return x * scale
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 0.25  # under dynamic=True dynamo passes this float as a SymFloat
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _scaled(x.sin(), scale=self.scale).cos()
+
+
+def test_a_break_taking_a_float_compiles_with_dynamic_shapes() -> None:
+    """dynamic=True: the float argument reaches the op as a SymFloat; it is used as its value
+    with a guard on it (it used to fail inside AOTAutograd: 'not tracked with proxy')."""
+    torch._dynamo.reset()
+    module = _Scaled()
+    compiled = torch.compile(module, backend="aot_eager", dynamic=True, fullgraph=True)
+    for n in (3, 5):
+        x = torch.randn(n)
+        torch.testing.assert_close(compiled(x), module(x), rtol=0, atol=0)
+    module.scale = 0.5  # the guard sees the new value: recompiled, not stale
+    x = torch.randn(4)
+    torch.testing.assert_close(compiled(x), module(x), rtol=0, atol=0)
+
+
 def test_compiled_sdpa_llama_keeps_only_the_sdpa_call_opaque() -> None:
     """Under torch.compile a bcg_sdpa layer's opaque op is the scaled_dot_product_attention call
     alone: repeat_kv and the output's transpose and copy are in the compiled graph (a whole-

@@ -32,7 +32,8 @@ import torch.utils._pytree as pytree  # noqa: PLC2701
 from bcg_core._errors import BreakOutputError
 
 # Leaf types an opaque call may take besides tensors (what dynamo can put in a graph as a
-# constant); anything else (modules, plain objects, symbolic ints) keeps a dynamo graph break.
+# constant); anything else (modules, plain objects) keeps a dynamo graph break. Symbolic numbers
+# (dynamic=True) pass for these types in traced code and are made concrete in _apply.
 CONSTANT_TYPES = (int, float, bool, str, complex, torch.dtype, torch.device, torch.layout)
 
 logger = logging.getLogger("bcg_core")
@@ -113,6 +114,7 @@ def _apply(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
         out = _eager(_functions[function_id][0], *_unbox((args, kwargs)))
         return _box(out), 0
     flat, spec = pytree.tree_flatten(_unbox((args, kwargs)))
+    flat = [_concrete(x) for x in flat]
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     key = _layout_for(function_id, flat, spec, tensors)
     layout = _layouts[key]
@@ -128,6 +130,17 @@ def _apply(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
         outs = functional([], tensors, key)
     assert layout.out_spec is not None  # set by the fake implementation the call just ran
     return _box(_rebuild(layout.out_leaves, outs, layout.out_spec)), 0
+
+
+def _concrete(x: Any) -> Any:
+    """A symbolic number as the value it has now, guarded on: under ``dynamic=True`` dynamo
+    passes a float such as an attention scale as a SymFloat, and an op's layout is made of
+    constants (a later call with another value recompiles)."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        from torch.fx.experimental.symbolic_shapes import guard_scalar
+
+        return guard_scalar(x)
+    return x
 
 
 def _call(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
