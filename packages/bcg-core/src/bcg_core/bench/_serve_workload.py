@@ -25,7 +25,8 @@ graphs) its ratios; ``capture ms`` is start-up (manager creation and warm-up, wh
 the largest graph); ``pool MB`` is graph memory: ``memory_reserved()`` with every request done
 (collected, cache emptied), minus eager's; ``segments`` is the number of graphs captured. The
 ``figures`` column adds output tokens/s and time to first token (median, p90, ms). ``correct``:
-every request's tokens identical to eager's. ``--smoke``: a tiny model and 8 short requests on
+every request's tokens identical to eager's (float32 cases only; bf16 leaves it blank and the
+figures say how many tokens agree). ``--smoke``: a tiny model and 8 short requests on
 the CPU (transformers' graphs need CUDA); skipped with the reason without transformers.
 """
 
@@ -142,7 +143,9 @@ def _case(
     finally:
         del model
         gc.collect()
-    return _measurements(case, runs, cuda) + skipped
+    # bf16 near-ties make the padded-row kernels of any graph move greedy tokens: only float32
+    # is judged for exactness; bf16 reports the agreement ("tokens equal %").
+    return _measurements(case, runs, cuda, judged=dtype == torch.float32) + skipped
 
 
 def _serve(
@@ -256,7 +259,9 @@ def _p90(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
-def _measurements(case: str, runs: dict[str, list[_Run]], cuda: bool) -> list[Measurement]:
+def _measurements(
+    case: str, runs: dict[str, list[_Run]], cuda: bool, judged: bool
+) -> list[Measurement]:
     def per_token(run: _Run) -> float:
         return run.seconds * 1e6 / sum(len(t) for t in run.tokens.values())
 
@@ -279,7 +284,7 @@ def _measurements(case: str, runs: dict[str, list[_Run]], cuda: bool) -> list[Me
             graph_mb = max(0, last.reserved - eager_reserved) / 2**20
         # varlen is another attention kernel than eager's: its tokens are compared, not judged.
         correct = None
-        if reference is not None and name != BCG_VARLEN:
+        if judged and reference is not None and name != BCG_VARLEN:
             correct = all(r.tokens == reference.tokens for r in done)
         tokens = sum(len(t) for t in last.tokens.values())
         figures = {
