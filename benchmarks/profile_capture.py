@@ -71,6 +71,10 @@ def _instrument() -> None:
     _timing(capture_mod.CaptureState, "record_break", "bcg CaptureState.record_break (all)")
     _timing(capture_mod.BreakableCUDAGraphCapture, "__enter__", "bcg capture __enter__")
     _timing(capture_mod.BreakableCUDAGraphCapture, "__exit__", "bcg capture __exit__")
+    # Inside record_break: the fresh-storage tracker's per-op handler, the bridge, the aliases.
+    _timing(capture_mod.FreshTensorTracker, "__torch_dispatch__", "bcg fresh tracker, per op")
+    _timing(capture_mod, "Bridge", "bcg Bridge(...)")
+    _timing(capture_mod, "alias_tree", "bcg alias_tree (break arguments)")
 
 
 @contextmanager
@@ -135,15 +139,16 @@ def main() -> None:
             keep.clear()
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-        # Without cProfile, the blocks alone (the profiler inflates Python-heavy paths).
-        lines.append("\n== blocks without cProfile")
+        # Without cProfile (it inflates Python-heavy paths): the blocks, and the phases inside
+        # them as the timing wrappers alone see them.
+        lines.append("\n== without cProfile: blocks, then phases")
         for name, run in runs.items():
             TIMES.clear()
             COUNTS.clear()
             run()
-            blocks = {k: v for k, v in TIMES.items() if k.startswith("block")}
-            for label, value in blocks.items():
-                lines.append(f"  {name:18s} {value * 1e3:10.2f} ms  x{COUNTS[label]}  {label}")
+            for label in sorted(TIMES, key=lambda k: (not k.startswith("block"), -TIMES[k])):
+                value = TIMES[label] * 1e3
+                lines.append(f"  {name:18s} {value:10.2f} ms  x{COUNTS[label]:5d}  {label}")
             keep.clear()
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
