@@ -233,14 +233,15 @@ def test_the_cpu_backend_does_not_refuse_compiles() -> None:
 # -- the integrations trace to one dynamo graph ---------------------------------------------------
 
 
-def test_breakable_sdpa_llama_is_one_dynamo_graph() -> None:
+def _sdpa_llama(layers: int) -> tuple[Any, Any, Any]:
+    """A tiny bcg_sdpa Llama (float32, seeded), its StaticCache, and one decode step on it."""
     transformers = pytest.importorskip("transformers")
     import bcg_core
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
     )  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_config(
@@ -252,6 +253,11 @@ def test_breakable_sdpa_llama_is_one_dynamo_graph() -> None:
         logits: torch.Tensor = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
         return logits
 
+    return model, cache, decode
+
+
+def test_breakable_sdpa_llama_is_one_dynamo_graph() -> None:
+    _, _, decode = _sdpa_llama(layers=3)
     with torch.no_grad():
         decode(torch.arange(5)[None])  # prefill
         with enable_breakable_cuda_graph():
@@ -292,10 +298,7 @@ def test_compiled_sdpa_llama_keeps_only_the_sdpa_call_opaque() -> None:
     alone: repeat_kv and the output's transpose and copy are in the compiled graph (a whole-
     function break would run them eagerly at every replay, host time the compiled segments
     cannot hide)."""
-    transformers = pytest.importorskip("transformers")
     from torch._dynamo.backends.common import aot_autograd  # noqa: PLC2701
-
-    import bcg_core
 
     graphs: list[torch.fx.GraphModule] = []
 
@@ -303,21 +306,7 @@ def test_compiled_sdpa_llama_keeps_only_the_sdpa_call_opaque() -> None:
         graphs.append(gm)
         return gm
 
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
-    )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation=bcg_core.breakable_attention("sdpa"), dtype=torch.float32
-    ).eval()
-    cache = transformers.StaticCache(config=config, max_cache_len=32)
-
-    def decode(ids: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
-        return logits
-
+    model, cache, decode = _sdpa_llama(layers=2)
     ids = torch.tensor([[7]])
     with torch.no_grad():
         decode(torch.arange(5)[None])  # prefill
@@ -327,7 +316,7 @@ def test_compiled_sdpa_llama_keeps_only_the_sdpa_call_opaque() -> None:
     (graph,) = graphs
     targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
     opaque = [t for t in targets if "bcg" in str(t)]
-    assert opaque == [torch.ops.bcg.opaque.default] * config.num_hidden_layers
+    assert opaque == [torch.ops.bcg.opaque.default] * model.config.num_hidden_layers
     assert torch.ops.aten.expand.default in targets  # repeat_kv, compiled
     assert torch.ops.aten.scaled_dot_product_attention.default not in targets  # inside the op
     for node in graph.graph.nodes:
