@@ -24,7 +24,7 @@ import torch
 from graph_helpers import capture, device_graph
 
 from bcg_core import BreakableCUDAGraph, eager_on_graph
-from bcg_core._capture.bridges import Bridge  # noqa: PLC2701
+from bcg_core._capture.bridges import Bridge, copy_into_pool  # noqa: PLC2701
 from bcg_core._capture.fresh import FreshTensorTracker  # noqa: PLC2701
 
 HIDDEN = 32
@@ -133,3 +133,31 @@ def test_bridge_aliases_pooled_tensors_and_holds_the_rest() -> None:
     bridge.update({"pair": Pair(torch.full((8,), 2.0), torch.full((8,), 5.0)), "n": 3})
     assert torch.equal(pooled, torch.full((8,), 2.0))  # written through the alias
     assert torch.equal(static, torch.full((8,), 5.0))
+
+
+def test_outputs_a_break_made_are_copied_whole_and_keep_their_views() -> None:
+    # At capture a break runs outside the pool; the outputs its ops made are copied into the
+    # pool (here: plain CPU allocations) and every view of one storage stays a view of its copy.
+    given = torch.arange(8.0)
+    made = given * 2
+    first, second = made[:3], made[2:].view(2, 3)
+    out = {"a": first, "b": second, "given": given, "n": 1}
+    moved, pooled = copy_into_pool(
+        out, lambda t: t.untyped_storage().data_ptr() != given.data_ptr()
+    )
+    assert moved["given"] is given and moved["n"] == 1 and not pooled(given)
+    a, b = moved["a"], moved["b"]
+    assert a.data_ptr() != first.data_ptr() and pooled(a) and pooled(b)
+    assert torch.equal(a, first) and torch.equal(b, second)
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # still one storage
+    b[0, 0] = -1.0  # element 2 of the copy, shared as it was by the originals
+    assert a[2].item() == -1.0 and first[2].item() == 4.0
+
+
+def test_a_made_output_that_requires_grad_stays_in_the_autograd_graph() -> None:
+    w = torch.ones(4, requires_grad=True)
+    made = w * 3
+    (moved,), pooled = copy_into_pool((made,), lambda t: t is made)
+    assert pooled(moved) and moved.data_ptr() != made.data_ptr()
+    moved.sum().backward()
+    assert torch.equal(w.grad, torch.full((4,), 3.0))

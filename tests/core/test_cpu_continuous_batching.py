@@ -230,6 +230,32 @@ def test_disabled_graphs_serve_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
     assert stats.graphs == 0 and stats.replays == 0 and stats.eager_calls > 0
 
 
+def test_disabled_graphs_keep_the_varlen_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With graphs off (or a capture failed) a varlen engine's batches run the varlen kernel
+    eagerly on the same padded batches: the run a replay must equal, token for token."""
+    calls: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return reference_varlen(*args, **kwargs)
+
+    monkeypatch.setattr(cb, "_VARLEN_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(cb, "_VARLEN_DTYPES", (torch.float32,))
+    monkeypatch.setattr(cb, "_varlen_attn", lambda: counted)
+    cb._varlen_keywords.cache_clear()
+    try:
+        model = make_model()
+        with bcg_core.enable_continuous_batching(model, attention="varlen"):
+            graphed = generate(model)
+            monkeypatch.setenv("BCG_DISABLE", "1")
+            calls.clear()
+            eager = generate(model)
+        assert calls, "the eager batches did not run the varlen kernel"
+        assert eager == graphed
+    finally:
+        cb._varlen_keywords.cache_clear()
+
+
 def test_remove_restores_transformers() -> None:
     mapping = AttentionInterface._global_mapping
     before = (

@@ -1,11 +1,11 @@
 """Bridges in the graph's pool, on a real GPU.
 
-A break runs at capture with its allocations routed to the graph's pool, and its bridge holds
-the pooled output through a non-owning alias: the memory costs what a graph intermediate
-costs. These tests check where the memory lives (read from the allocator's own snapshot, not
-through bcg), that it costs no more than plain CUDA graphs of the same code, and the two
-use-after-free shapes reported against other breakable-graph implementations: a bridge held
-weakly outside any pool (the general allocator hands its block out again) and break inputs
+A break runs at capture outside the graph's pool, its outputs are copied into the pool, and
+its bridge holds the pooled copy through a non-owning alias: the memory costs what a graph
+intermediate costs. These tests check where the memory lives (read from the allocator's own
+snapshot, not through bcg), that it costs no more than plain CUDA graphs of the same code, and
+the two use-after-free shapes reported against other breakable-graph implementations: a bridge
+held weakly outside any pool (the general allocator hands its block out again) and break inputs
 whose blocks later captures into the same pool reuse.
 """
 

@@ -78,3 +78,20 @@ def test_varlen_break_serves_the_engine(monkeypatch: pytest.MonkeyPatch) -> None
     assert stats.eager_calls == 0
     assert graphed.keys() == eager.keys()
     assert sum(graphed[r][0] == eager[r][0] for r in eager) >= len(eager) - 1
+
+
+def test_varlen_replays_equal_the_engine_eager_with_its_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bf16: every token of every request equals the engine run eagerly (BCG_DISABLE=1) with
+    the same varlen kernel on the same padded batches (the serve bench's reference)."""
+    if cb._varlen_attn() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    model = make_model(device="cuda").to(torch.bfloat16)
+    with bcg_core.enable_continuous_batching(model, attention="varlen") as handle:
+        graphed = generate(model)
+        assert handle.stats().eager_calls == 0
+        monkeypatch.setenv("BCG_DISABLE", "1")
+        eager = generate(model)
+        assert handle.stats().eager_calls > 0
+    assert graphed == eager

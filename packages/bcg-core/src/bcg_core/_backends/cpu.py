@@ -278,6 +278,10 @@ class CpuBackend:
         output strongly, and each segment holds the tensors it replays on."""
         return contextlib.nullcontext(False)
 
+    def allocate_outside_pool(self, pool: Any, device: Any) -> AbstractContextManager[None]:
+        """Nothing is routed on the CPU (see :meth:`allocate_to_pool`)."""
+        return contextlib.nullcontext()
+
 
 def _no_hooks() -> None:
     """Nothing was installed."""

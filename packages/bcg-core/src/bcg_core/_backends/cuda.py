@@ -18,6 +18,7 @@ from bcg_core._backends.cuda_graph import TorchGraph
 from bcg_core._backends.cuda_lanes import lease_lane, make_spare_lane
 from bcg_core._backends.cuda_pool import (
     CudaPool,
+    allocate_outside_pool,
     allocate_to_pool,
     count_pool_growth,
     device_index,
@@ -149,6 +150,9 @@ class CudaBackend:
 
     def allocate_to_pool(self, pool: Any, device: Any) -> AbstractContextManager[bool]:
         return allocate_to_pool(pool, device)
+
+    def allocate_outside_pool(self, pool: Any, device: Any) -> AbstractContextManager[None]:
+        return allocate_outside_pool(pool, device)
 
     def note_graph_memory(self, pool: Any, tensors: Sequence[Any]) -> None:
         """Nothing to note: a CUDA kernel reads device memory at replay wherever it came from."""

@@ -145,3 +145,22 @@ def allocate_to_pool(pool: Any, device: Any) -> Iterator[bool]:
             end(index, pid)
         finally:
             release(index, pid)
+
+
+@contextlib.contextmanager
+def allocate_outside_pool(pool: Any, device: Any) -> Iterator[None]:
+    """Inside a block of :func:`allocate_to_pool` for ``pool``: route nothing in this block
+    (the thread's allocations go to the ordinary allocator), then route to the pool again."""
+    api = _routing_api()
+    if api is None:
+        yield
+        return
+    begin, end, release = api
+    index = device_index(device)
+    pid = pool_id(pool)
+    end(index, pid)
+    release(index, pid)  # the reference the enclosing block took; it takes one again below
+    try:
+        yield
+    finally:
+        begin(index, pid)

@@ -183,12 +183,19 @@ class GraphBackend(Protocol):
 
     def allocate_to_pool(self, pool: Any, device: Any) -> AbstractContextManager[bool]:
         """While open, route every allocation the calling thread makes on ``device`` to
-        ``pool``; yields True. A break runs inside it at capture, so its output (the bridge) and
-        its temporaries live in the graph's pool like a monolithic graph's intermediates.
+        ``pool``; yields True. Warm-ups run inside it, and at capture a break's outputs are
+        copied into the pool inside it, so the bridges live in the graph's pool like a
+        monolithic graph's intermediates.
 
         Yields False, routing nothing, where the backend has no such routing (CPU pools are
         tokens; a CUDA torch without the thread routing API): the caller then holds what the
         break returned strongly. Routing is undone however the block exits."""
+        ...
+
+    def allocate_outside_pool(self, pool: Any, device: Any) -> AbstractContextManager[None]:
+        """Inside :meth:`allocate_to_pool` for ``pool`` (when it yielded True): route nothing
+        while open, then route to ``pool`` again. A break called in a warm-up runs inside it,
+        so its temporaries never become pool memory (a replay allocates them outside)."""
         ...
 
 

@@ -12,7 +12,7 @@ from typing import Any, TypeVar, overload
 import torch
 
 from bcg_core._capture import opaque
-from bcg_core._capture.context import active_capture
+from bcg_core._capture.context import active_capture, outside_pool, warmup_outside_pool
 from bcg_core._capture.flag import is_in_breakable_cuda_graph
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -139,6 +139,13 @@ def eager_on_graph(
             raise TypeError(f"@eager_on_graph decorates a callable, got {f!r}")
         break_name: str = name or getattr(f, "__qualname__", None) or repr(f)
 
+        def call_eagerly(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if _observing:
+                observe = _OBSERVER.get()
+                if observe is not None:
+                    return observe(break_name, f, args, kwargs)
+            return f(*args, **kwargs)
+
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if _is_compiling():  # dynamo folds this to True while tracing; False at run time
@@ -151,11 +158,13 @@ def eager_on_graph(
                 return f(*args, **kwargs)
             state = active_capture()
             if state is None:
-                if _observing and enable:
-                    observe = _OBSERVER.get()
-                    if observe is not None:
-                        return observe(break_name, f, args, kwargs)
-                return f(*args, **kwargs)
+                if not enable:
+                    return f(*args, **kwargs)
+                outside = warmup_outside_pool()
+                if outside is not None:  # a warm-up's break: its temporaries are not pool memory
+                    with outside_pool(outside):
+                        return call_eagerly(args, kwargs)
+                return call_eagerly(args, kwargs)
             if state.in_break or not enable:
                 return f(*args, **kwargs)
             return state.record_break(f, capture_stub, strict, break_name, args, kwargs)

@@ -2,9 +2,10 @@
 
 The next graph segment was captured reading the tensors a break returned at capture (the
 *bridge*), and every replay copies the break's fresh output into them. At capture the break
-runs with its allocations routed to the graph's pool, so a returned tensor normally lies in the
-pool: the bridge then holds it through a non-owning alias (``_aliases.alias_tensor``), and the
-block behaves like any intermediate of a monolithic graph. It stays allocated while the code
+runs outside the graph's pool, and the tensors its own ops made are then copied into the pool
+(:func:`copy_into_pool`; the code after the break gets the copies): the bridge holds such a
+copy through a non-owning alias (``_aliases.alias_tensor``), and the block behaves like any
+intermediate of a monolithic graph. It stays allocated while the code
 after the break holds the capture-time tensor, then returns to the pool for later allocations
 of this capture or of other graphs sharing the pool (DESIGN.md, "Who may reuse a bridge's
 memory"). A tensor that does not lie in the pool (a static buffer or parameter returned as it
@@ -29,6 +30,45 @@ import torch
 from bcg_core import _trees
 from bcg_core._capture.aliases import alias_tensor
 from bcg_core._errors import BreakOutputError
+
+
+def copy_into_pool(
+    output: Any, made: Callable[[torch.Tensor], bool]
+) -> tuple[Any, Callable[[torch.Tensor], bool]]:
+    """``output`` with every tensor for which ``made`` holds (a break's own, fresh storage)
+    replaced by a copy allocated now (the caller routes allocations to the graph's pool), and
+    the test for "one of those copies".
+
+    A storage is copied once, whole, and each tensor on it becomes the same view of the copy, so
+    outputs that shared memory still do. A tensor that requires grad while grad mode is on is
+    copied on its own by an autograd-recorded ``copy_``, so the code after the break stays
+    connected to the break's autograd graph.
+    """
+    copies: dict[int, torch.Tensor] = {}  # original storage pointer -> its copy, as bytes
+    pooled: set[int] = set()
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if type(t) is not torch.Tensor or not made(t):
+            return t
+        if t.requires_grad and torch.is_grad_enabled():
+            tracked = torch.empty_like(t).copy_(t)
+            pooled.add(tracked.untyped_storage().data_ptr())
+            return tracked
+        storage = t.untyped_storage()
+        if storage.nbytes() % t.element_size():  # no whole view in t's dtype: copy t alone
+            alone = t.detach().clone(memory_format=torch.preserve_format)
+            pooled.add(alone.untyped_storage().data_ptr())
+            return alone
+        whole = copies.get(storage.data_ptr())
+        if whole is None:
+            source = torch.empty(0, dtype=torch.uint8, device=t.device)
+            source.set_(storage, 0, (storage.nbytes(),), (1,))
+            whole = copies[storage.data_ptr()] = source.clone()
+            pooled.add(whole.data_ptr())
+        return whole.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset())
+
+    moved = _trees.map_tensors(output, move)
+    return moved, lambda t: t.untyped_storage().data_ptr() in pooled
 
 
 def contains_device_tensor(obj: Any, device_types: frozenset[str]) -> bool:

@@ -15,7 +15,7 @@ import torch
 
 from bcg_core._backends import CaptureStatus, GraphBackend, Segment
 from bcg_core._capture.aliases import alias_tree
-from bcg_core._capture.bridges import Bridge, contains_device_tensor
+from bcg_core._capture.bridges import Bridge, contains_device_tensor, copy_into_pool
 from bcg_core._capture.compiles import as_capture_error, compiles_refused
 from bcg_core._capture.context import (
     active_capture,
@@ -182,16 +182,15 @@ class CaptureState:
         self.tracker.begin_break()
         fresh: FreshTensorTracker | None = None
         try:
-            # The break's allocations go to the graph's pool, so its output (the bridge) costs
-            # what a graph intermediate costs (DESIGN.md, "Who may reuse a bridge's memory").
-            # What its ops create is recorded: those outputs are the pooled ones (fresh.py).
-            with self.backend.allocate_to_pool(self.pool, self.stream.device) as routed:
-                if routed or self.debug is not DebugLevel.OFF:
-                    fresh = FreshTensorTracker(self.backend.device_type)
-                    with fresh:
-                        output = (stub if stub is not None else fn)(*args, **kwargs)
-                else:
+            # The break allocates outside the pool: its temporaries are not graph memory (a
+            # replay allocates them outside too). What its ops create is recorded (fresh.py):
+            # those outputs are copied into the pool below.
+            if self.backend.alias_device_types or self.debug is not DebugLevel.OFF:
+                fresh = FreshTensorTracker(self.backend.device_type)
+                with fresh:
                     output = (stub if stub is not None else fn)(*args, **kwargs)
+            else:
+                output = (stub if stub is not None else fn)(*args, **kwargs)
         finally:
             side_streams = self.tracker.end_break()
             self.in_break = False
@@ -208,9 +207,16 @@ class CaptureState:
             report_leaks(
                 name, fresh, output, (args, kwargs), strict=self.debug is DebugLevel.STRICT
             )
-        # Pooled tensors are held by alias; the code after the break gets the owning originals,
-        # which keep their blocks allocated for as long as it holds them.
-        in_pool = fresh.made_on(self.stream.device) if routed and fresh is not None else None
+        # The outputs its ops made are copied into the pool, so a bridge costs what a graph
+        # intermediate costs (DESIGN.md, "Who may reuse a bridge's memory"); they are held by
+        # alias, and the code after the break gets the owning copies, which keep their blocks
+        # allocated for as long as it holds them. Everything else is held strongly.
+        in_pool = None
+        if fresh is not None and self.backend.alias_device_types:
+            made = fresh.made_on(self.stream.device)
+            with self.backend.allocate_to_pool(self.pool, self.stream.device) as routed:
+                if routed:
+                    output, in_pool = copy_into_pool(output, made)
         bridge = Bridge(name, output, in_pool)
         self.backend.note_graph_memory(self.pool, bridge.tensors)
         self.steps.append(

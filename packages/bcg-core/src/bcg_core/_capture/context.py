@@ -9,7 +9,10 @@ during capture still finds it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any
 
@@ -95,3 +98,44 @@ def get_current_stream(device: torch.device | str | int | None = None) -> Any:
         return state.stream
     # Replay runs on the caller's current stream and never switches, so this is the replay stream.
     return current_stream(device)
+
+
+# -- warm-ups routed to a pool (BreakableCUDAGraph.warmup) --------------------------------------
+# A break called in one runs outside the pool: its temporaries are not graph memory (a replay
+# allocates them outside the pool), and a pool never gives memory back.
+OutsidePool = Callable[[], AbstractContextManager[None]]
+_OUTSIDE_POOL: ContextVar[OutsidePool | None] = ContextVar("bcg_core_outside_pool", default=None)
+_warmup_lock = threading.Lock()
+_routed_warmups = 0  # blocks open in any context; the eager break path reads only this
+
+
+@contextlib.contextmanager
+def routed_warmup(outside: OutsidePool) -> Iterator[None]:
+    """Mark this context as warming up with its allocations routed to a pool; ``outside()``
+    suspends that routing (the backend's ``allocate_outside_pool``)."""
+    global _routed_warmups
+    with _warmup_lock:
+        _routed_warmups += 1
+    token = _OUTSIDE_POOL.set(outside)
+    try:
+        yield
+    finally:
+        _OUTSIDE_POOL.reset(token)
+        with _warmup_lock:
+            _routed_warmups -= 1
+
+
+def warmup_outside_pool() -> OutsidePool | None:
+    """In a routed warm-up of this context, the way out of its pool for a break; else None."""
+    return _OUTSIDE_POOL.get() if _routed_warmups else None
+
+
+@contextlib.contextmanager
+def outside_pool(outside: OutsidePool) -> Iterator[None]:
+    """Run a warm-up's break outside its pool (breaks nested in it are already outside)."""
+    token = _OUTSIDE_POOL.set(None)
+    try:
+        with outside():
+            yield
+    finally:
+        _OUTSIDE_POOL.reset(token)

@@ -1,8 +1,8 @@
 """Which storages the ops of a block created: the tensors a break made at capture.
 
-A break runs at capture with its allocations routed to the graph's pool, so a tensor whose
-storage one of its ops created lies in the pool; the bridge holds such an output through a
-non-owning alias (``bridges.py``). The debug check uses the same record to name tensors a break
+A break runs at capture outside the graph's pool; an output whose storage one of its ops
+created is then copied into the pool, and the bridge holds the copy through a non-owning alias
+(``bridges.py``). The debug check uses the same record to name tensors a break
 made and kept without returning them (``debug.py``).
 
 Why a record of the ops, not the allocator's view: asking torch 2.11 for a pool's segments

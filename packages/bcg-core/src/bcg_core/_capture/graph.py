@@ -14,7 +14,7 @@ import torch
 
 from bcg_core._backends import GraphBackend, Segment, backend_named
 from bcg_core._capture.bridges import Bridge
-from bcg_core._capture.context import active_capture
+from bcg_core._capture.context import active_capture, routed_warmup
 from bcg_core._capture.profile import named, profile_enabled
 from bcg_core._errors import CaptureError, ReplayError
 
@@ -175,8 +175,9 @@ class BreakableCUDAGraph:
         its next work, with the calling thread's allocations routed to the graph's pool. What
         the warm-ups free then stays in the pool, where the capture reuses it, instead of cached
         outside it (the memory ``torch.cuda.graph`` releases with ``empty_cache()`` at every
-        capture). A bare pool id (a tuple) is not routed into: the allocator has no pool of that
-        id before its first capture.
+        capture). Breaks called in the block allocate outside the pool, as at capture: their
+        temporaries are never graph memory. A bare pool id (a tuple) is not routed into: the
+        allocator has no pool of that id before its first capture.
 
         Yields:
             The stream the warm-ups run on.
@@ -193,17 +194,19 @@ class BreakableCUDAGraph:
         caller = backend.current_stream()
         lane = backend.capture_stream(pool, caller.device)
         lane.wait_stream(caller)
-        routed = (
-            contextlib.nullcontext()
-            if isinstance(pool, tuple)
-            else backend.allocate_to_pool(pool, caller.device)
-        )
         try:
             with (
                 backend.stream_context(lane),
                 backend.count_pool_growth(pool, caller.device),
-                routed,
+                contextlib.ExitStack() as routing,
             ):
+                if not isinstance(pool, tuple) and routing.enter_context(
+                    backend.allocate_to_pool(pool, caller.device)
+                ):
+                    # Breaks called in the warm-ups allocate outside the pool, as at capture.
+                    routing.enter_context(
+                        routed_warmup(lambda: backend.allocate_outside_pool(pool, caller.device))
+                    )
                 yield lane
         finally:
             caller.wait_stream(lane)

@@ -157,7 +157,10 @@ def enable_continuous_batching(
             greedy tokens equal the eager engine's. ``"varlen"`` (CUDA, fp16/bf16, a torch with
             ``torch.nn.attention.varlen``): the cache update, then
             ``varlen_attn`` over each request's own keys (causal), which skips the packed
-            batch's dense mask; numerically another kernel than eager's.
+            batch's dense mask; numerically another kernel than eager's. A batch the engine
+            runs eagerly (graphs disabled with ``BCG_DISABLE=1``, a failed capture) runs the
+            same kernel on the same padded batch, so such a run is the reference a replay
+            equals bitwise.
 
     Returns:
         A :class:`ContinuousBatchingHandle`; ``remove()`` undoes this call.
@@ -449,11 +452,18 @@ def _breakable_paged(function: Callable[..., Any], name: str) -> Callable[..., A
 
     def attention(module: Any, query: Any, key: Any, value: Any, mask: Any, **kwargs: Any) -> Any:
         live = _live_batch.get()
-        if live is None or not is_in_breakable_cuda_graph():
+        if live is None:
+            return function(module, query, key, value, mask, **kwargs)
+        io, varlen = live
+        graphed = is_in_breakable_cuda_graph()
+        if not graphed and not varlen:
             return function(module, query, key, value, mask, **kwargs)
         for replaced in ("cache", "read_index", "write_index"):
             kwargs.pop(replaced, None)
-        io, varlen = live
+        if not graphed:
+            # A batch run eagerly (graphs disabled, a failed capture) computes what a replay
+            # computes: the varlen kernel on the same padded batch.
+            return paged_attention_break(module, query, key, value, io, varlen, kwargs), None
         return as_break(module, query, key, value, io, varlen, kwargs), None
 
     attention.__name__ = attention.__qualname__ = getattr(function, "__name__", "attention")

@@ -16,8 +16,10 @@ CUDA graphs with its default padding: queries to 64-token buckets, the KV read t
 buckets, one graph per (query, KV) key) and ``bcg`` (:func:`bcg_core.enable_continuous_batching`:
 one graph per query bucket, paged attention as the break, no KV padding) and ``bcg varlen``
 (the same with torch's ``varlen_attn`` as the break's kernel: no dense mask over the packed
-batch; another kernel than eager's, so its ``correct`` is left blank and the figures say how many
-tokens agree). Each contender runs the whole workload in its own manager, twice, interleaved.
+batch), and ``eager varlen`` (bcg's varlen integration with graphs disabled, ``BCG_DISABLE=1``:
+the engine eager with the same kernel on the same query-padded batches, which is the reference
+``bcg varlen`` must equal token for token, in every dtype). Each contender runs the whole
+workload in its own manager, twice, interleaved.
 
 Columns: ``us/step`` is wall time per generated token (first submission to last finish, divided
 by every request's output tokens), ``x eager`` and ``x full graph`` (against transformers'
@@ -26,14 +28,16 @@ the largest graph); ``pool MB`` is graph memory: ``memory_reserved()`` with ever
 (collected, cache emptied), minus eager's; ``segments`` is the number of graphs captured. The
 ``figures`` column adds output tokens/s and time to first token (median, p90, ms). ``correct``:
 every request's tokens identical to eager's (float32 cases only; bf16 leaves it blank and the
-figures say how many tokens agree). ``--smoke``: a tiny model and 8 short requests on
-the CPU (transformers' graphs need CUDA); skipped with the reason without transformers.
+figures say how many tokens agree); for ``bcg varlen``, identical to ``eager varlen``'s.
+``--smoke``: a tiny model and 8 short requests on the CPU (transformers' graphs need CUDA);
+skipped with the reason without transformers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -48,8 +52,10 @@ from bcg_core.bench._harness import EAGER, BenchContext, Measurement, Stats
 WORKLOAD = "serve"
 TF_GRAPHS = "transformers graphs"
 BCG_VARLEN = "bcg varlen"
-CONTENDERS = (EAGER, TF_GRAPHS, "bcg", BCG_VARLEN)
-CUDA_ONLY = (TF_GRAPHS, BCG_VARLEN)
+EAGER_VARLEN = "eager varlen"
+CONTENDERS = (EAGER, TF_GRAPHS, "bcg", EAGER_VARLEN, BCG_VARLEN)
+CUDA_ONLY = (TF_GRAPHS, EAGER_VARLEN, BCG_VARLEN)
+VARLEN = (EAGER_VARLEN, BCG_VARLEN)
 REQUESTS = 64
 BLOCK = 256
 BATCH_TOKENS = 2048
@@ -129,10 +135,11 @@ def _case(
     requests = _requests(ctx.smoke, config.vocab_size)
     names = [c for c in CONTENDERS if c not in ctx.skip and (cuda or c not in CUDA_ONLY)]
     skipped = []
-    if dtype not in (torch.float16, torch.bfloat16) and BCG_VARLEN in names:
-        names.remove(BCG_VARLEN)  # its flash kernel takes half precision only
-        why = f"varlen_attn's flash kernel takes float16 and bfloat16, not {dtype}"
-        skipped.append(Measurement(WORKLOAD, case, BCG_VARLEN, None, skipped=why))
+    for name in VARLEN:
+        if dtype not in (torch.float16, torch.bfloat16) and name in names:
+            names.remove(name)  # its flash kernel takes half precision only
+            why = f"varlen_attn's flash kernel takes float16 and bfloat16, not {dtype}"
+            skipped.append(Measurement(WORKLOAD, case, name, None, skipped=why))
     runs: dict[str, list[_Run]] = {c: [] for c in names}
     repeats = 1 if ctx.smoke else max(1, min(ctx.repeats, 2))
     try:
@@ -170,12 +177,12 @@ def _serve(
         # transformers' default KV padding (64 blocks of 256 tokens) for its own graphs.
     )
     handle = None
-    if name in ("bcg", BCG_VARLEN):
+    if name in ("bcg", *VARLEN):
         handle = bcg_core.enable_continuous_batching(
-            model, attention="varlen" if name == BCG_VARLEN else "paged"
+            model, attention="varlen" if name in VARLEN else "paged"
         )
     try:
-        with _memory_query(ctx.device):
+        with _memory_query(ctx.device), _graphs_disabled(name == EAGER_VARLEN):
             start = time.perf_counter()
             manager = model.init_continuous_batching(
                 generation_config=gen, continuous_batching_config=cb
@@ -218,6 +225,23 @@ def _serve(
         reserved=reserved,
         graphs=graphs,
     )
+
+
+@contextlib.contextmanager
+def _graphs_disabled(disabled: bool) -> Iterator[None]:
+    """``BCG_DISABLE=1`` around a run (the engine's own thread reads it at every batch)."""
+    if not disabled:
+        yield
+        return
+    saved = os.environ.get("BCG_DISABLE")
+    os.environ["BCG_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["BCG_DISABLE"]
+        else:
+            os.environ["BCG_DISABLE"] = saved
 
 
 @contextlib.contextmanager
@@ -265,10 +289,12 @@ def _measurements(
     def per_token(run: _Run) -> float:
         return run.seconds * 1e6 / sum(len(t) for t in run.tokens.values())
 
-    reference = runs.get(EAGER, [None])[0]
-    eager_reserved = None if reference is None else reference.reserved
+    eager = runs.get(EAGER, [None])[0]
+    eager_reserved = None if eager is None else eager.reserved
     out = []
     for name, done in runs.items():
+        # bcg varlen is held to the engine eager with its kernel; everything else to eager.
+        reference = runs.get(EAGER_VARLEN, [None])[0] if name == BCG_VARLEN else eager
         times = [per_token(r) for r in done]
         last = done[-1]
 
@@ -282,9 +308,9 @@ def _measurements(
         graph_mb = None
         if cuda and last.reserved is not None and eager_reserved is not None:
             graph_mb = max(0, last.reserved - eager_reserved) / 2**20
-        # varlen is another attention kernel than eager's: its tokens are compared, not judged.
+        # Padded rows move bf16 near-ties against unpadded eager; eager varlen pads the same.
         correct = None
-        if judged and reference is not None and name != BCG_VARLEN:
+        if reference is not None and (judged or name == BCG_VARLEN) and name not in (EAGER,):
             correct = all(r.tokens == reference.tokens for r in done)
         tokens = sum(len(t) for t in last.tokens.values())
         figures = {
@@ -292,15 +318,13 @@ def _measurements(
             "ttft median ms": statistics.median(last.ttft_ms),
             "ttft p90 ms": _p90(last.ttft_ms),
         }
-        if reference is not None and name != EAGER:
+        if eager is not None and name != EAGER:
             same = sum(
                 a == b
-                for i, ref in reference.tokens.items()
+                for i, ref in eager.tokens.items()
                 for a, b in zip(last.tokens.get(i, []), ref, strict=False)
             )
-            figures["tokens equal %"] = (
-                100.0 * same / sum(len(t) for t in reference.tokens.values())
-            )
+            figures["tokens equal %"] = 100.0 * same / sum(len(t) for t in eager.tokens.values())
         out.append(
             Measurement(
                 WORKLOAD,
