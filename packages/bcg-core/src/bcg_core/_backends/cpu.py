@@ -282,6 +282,10 @@ class CpuBackend:
         """Nothing is routed on the CPU (see :meth:`allocate_to_pool`)."""
         return contextlib.nullcontext()
 
+    def not_pool_growth(self, pool: Any, device: Any) -> AbstractContextManager[None]:
+        """Nothing is counted on the CPU (see :meth:`count_pool_growth`)."""
+        return contextlib.nullcontext()
+
 
 def _no_hooks() -> None:
     """Nothing was installed."""

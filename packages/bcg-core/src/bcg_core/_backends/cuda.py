@@ -22,6 +22,7 @@ from bcg_core._backends.cuda_pool import (
     allocate_to_pool,
     count_pool_growth,
     device_index,
+    not_pool_growth,
 )
 from bcg_core._backends.cudart import RUNTIME
 from bcg_core._backends.seam import CaptureInfo, StreamObserver, pool_id
@@ -153,6 +154,9 @@ class CudaBackend:
 
     def allocate_outside_pool(self, pool: Any, device: Any) -> AbstractContextManager[None]:
         return allocate_outside_pool(pool, device)
+
+    def not_pool_growth(self, pool: Any, device: Any) -> AbstractContextManager[None]:
+        return not_pool_growth(pool, device)
 
     def note_graph_memory(self, pool: Any, tensors: Sequence[Any]) -> None:
         """Nothing to note: a CUDA kernel reads device memory at replay wherever it came from."""

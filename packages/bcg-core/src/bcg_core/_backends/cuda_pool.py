@@ -42,7 +42,8 @@ class CudaPool:
         self.renew()
 
     def grew(self, nbytes: int) -> None:
-        """Count ``nbytes`` the allocator reserved for this pool."""
+        """Count ``nbytes`` the allocator reserved for this pool (negative: take back bytes
+        counted for a block that reserved them outside it)."""
         with self._lock:
             self.bytes += nbytes
 
@@ -148,9 +149,25 @@ def allocate_to_pool(pool: Any, device: Any) -> Iterator[bool]:
 
 
 @contextlib.contextmanager
+def not_pool_growth(pool: Any, device: Any) -> Iterator[None]:
+    """Inside :func:`count_pool_growth`: what the allocator newly reserves in this block is
+    not ``pool``'s (a break's allocations, outside the pool)."""
+    if not isinstance(pool, CudaPool):
+        yield
+        return
+    index = device_index(device)
+    before = torch.cuda.memory_reserved(index)
+    try:
+        yield
+    finally:
+        pool.grew(-max(0, torch.cuda.memory_reserved(index) - before))
+
+
+@contextlib.contextmanager
 def allocate_outside_pool(pool: Any, device: Any) -> Iterator[None]:
     """Inside a block of :func:`allocate_to_pool` for ``pool``: route nothing in this block
-    (the thread's allocations go to the ordinary allocator), then route to the pool again."""
+    (the thread's allocations go to the ordinary allocator, not counted as the pool's), then
+    route to the pool again."""
     api = _routing_api()
     if api is None:
         yield
@@ -161,6 +178,7 @@ def allocate_outside_pool(pool: Any, device: Any) -> Iterator[None]:
     end(index, pid)
     release(index, pid)  # the reference the enclosing block took; it takes one again below
     try:
-        yield
+        with not_pool_growth(pool, device):
+            yield
     finally:
         begin(index, pid)

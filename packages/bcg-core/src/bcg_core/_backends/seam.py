@@ -181,6 +181,11 @@ class GraphBackend(Protocol):
         sum. A backend that cannot tell counts nothing."""
         ...
 
+    def not_pool_growth(self, pool: Any, device: Any) -> AbstractContextManager[None]:
+        """Inside :meth:`count_pool_growth`: what the allocator newly reserves while open is
+        not counted as ``pool``'s (a break at capture allocates outside the pool)."""
+        ...
+
     def allocate_to_pool(self, pool: Any, device: Any) -> AbstractContextManager[bool]:
         """While open, route every allocation the calling thread makes on ``device`` to
         ``pool``; yields True. Warm-ups run inside it, and at capture a break's outputs are
@@ -194,8 +199,9 @@ class GraphBackend(Protocol):
 
     def allocate_outside_pool(self, pool: Any, device: Any) -> AbstractContextManager[None]:
         """Inside :meth:`allocate_to_pool` for ``pool`` (when it yielded True): route nothing
-        while open, then route to ``pool`` again. A break called in a warm-up runs inside it,
-        so its temporaries never become pool memory (a replay allocates them outside)."""
+        while open (nor count it as the pool's, :meth:`not_pool_growth`), then route to
+        ``pool`` again. A break called in a warm-up runs inside it, so its temporaries never
+        become pool memory (a replay allocates them outside)."""
         ...
 
 

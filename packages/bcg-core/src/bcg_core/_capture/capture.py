@@ -185,12 +185,13 @@ class CaptureState:
             # The break allocates outside the pool: its temporaries are not graph memory (a
             # replay allocates them outside too). What its ops create is recorded (fresh.py):
             # those outputs are copied into the pool below.
-            if self.backend.alias_device_types or self.debug is not DebugLevel.OFF:
-                fresh = FreshTensorTracker(self.backend.device_type)
-                with fresh:
+            with self.backend.not_pool_growth(self.pool, self.stream.device):
+                if self.backend.alias_device_types or self.debug is not DebugLevel.OFF:
+                    fresh = FreshTensorTracker(self.backend.device_type)
+                    with fresh:
+                        output = (stub if stub is not None else fn)(*args, **kwargs)
+                else:
                     output = (stub if stub is not None else fn)(*args, **kwargs)
-            else:
-                output = (stub if stub is not None else fn)(*args, **kwargs)
         finally:
             side_streams = self.tracker.end_break()
             self.in_break = False

@@ -162,6 +162,17 @@ def _serve(
     requests: list[tuple[list[int], int]],
     name: str,
 ) -> _Run:
+    with _graphs_disabled(name == EAGER_VARLEN):  # for the whole run: start-up and serving
+        return _serve_once(ctx, transformers, model, requests, name)
+
+
+def _serve_once(
+    ctx: BenchContext,
+    transformers: Any,
+    model: Any,
+    requests: list[tuple[list[int], int]],
+    name: str,
+) -> _Run:
     cuda = ctx.device.type == "cuda"
     gen = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
     longest = max(len(p) + n for p, n in requests)
@@ -182,7 +193,7 @@ def _serve(
             model, attention="varlen" if name in VARLEN else "paged"
         )
     try:
-        with _memory_query(ctx.device), _graphs_disabled(name == EAGER_VARLEN):
+        with _memory_query(ctx.device):
             start = time.perf_counter()
             manager = model.init_continuous_batching(
                 generation_config=gen, continuous_batching_config=cb
