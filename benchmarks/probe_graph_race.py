@@ -112,7 +112,9 @@ def _bcg_work(iterations: int, seed: int, counts: list[int]) -> None:
             graph.reset()
         del graph, out  # the other half is dropped without a reset
         counts[seed] += 1
-    torch.cuda.synchronize()
+    # This thread's stream only: a device-wide sync while the other thread captures is
+    # refused by CUDA (operation not permitted when stream is capturing).
+    torch.cuda.current_stream().synchronize()
 
 
 def _switch_off(parts: list[str]) -> None:

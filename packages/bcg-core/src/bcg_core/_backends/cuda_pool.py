@@ -82,6 +82,16 @@ def device_index(device: Any) -> int:
     return torch.cuda.current_device() if index is None else index
 
 
+def reserved_bytes(index: int) -> int:
+    """What the device's caching allocator holds (``torch.cuda.memory_reserved``), read from
+    torch's nested statistics: the flat dictionary ``memory_reserved`` builds first costs about
+    100 us, which at two reads per break made a start-up of 35 sizes 20 % slower."""
+    stats = getattr(torch._C, "_cuda_memoryStats", None)
+    if stats is None:
+        return torch.cuda.memory_reserved(index)
+    return int(stats(index)["reserved_bytes"]["all"]["current"])
+
+
 @contextlib.contextmanager
 def count_pool_growth(pool: Any, device: Any) -> Iterator[None]:
     """Count what the device's allocator newly reserves inside the block as ``pool``'s.
@@ -96,11 +106,11 @@ def count_pool_growth(pool: Any, device: Any) -> Iterator[None]:
         yield
         return
     index = device_index(device)
-    before = torch.cuda.memory_reserved(index)
+    before = reserved_bytes(index)
     try:
         yield
     finally:
-        pool.grew(max(0, torch.cuda.memory_reserved(index) - before))
+        pool.grew(max(0, reserved_bytes(index) - before))
 
 
 _ROUTING_API = (
@@ -156,11 +166,11 @@ def not_pool_growth(pool: Any, device: Any) -> Iterator[None]:
         yield
         return
     index = device_index(device)
-    before = torch.cuda.memory_reserved(index)
+    before = reserved_bytes(index)
     try:
         yield
     finally:
-        pool.grew(-max(0, torch.cuda.memory_reserved(index) - before))
+        pool.grew(-max(0, reserved_bytes(index) - before))
 
 
 @contextlib.contextmanager
