@@ -14,9 +14,10 @@ break's ops made) and how a bridge holds each kind.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import pytest
@@ -161,3 +162,39 @@ def test_a_made_output_that_requires_grad_stays_in_the_autograd_graph() -> None:
     assert pooled(moved) and moved.data_ptr() != made.data_ptr()
     moved.sum().backward()
     assert torch.equal(w.grad, torch.full((4,), 3.0))
+
+
+def test_a_break_in_a_routed_warmup_runs_outside_the_pool_once() -> None:
+    # graph.warmup() routes the thread's allocations to the pool and marks the block; a break
+    # called there suspends the routing around its call (breaks nested in it are outside
+    # already), a disabled break is segment code and stays in the pool, and nothing is left
+    # marked once the block exits, however it exits.
+    from bcg_core._capture import context  # noqa: PLC2701
+
+    entered: list[str] = []
+
+    @contextlib.contextmanager
+    def outside() -> Iterator[None]:
+        entered.append("out")
+        yield
+
+    @eager_on_graph(name="inner")
+    def inner(t: torch.Tensor) -> torch.Tensor:
+        return t + 1
+
+    @eager_on_graph(name="outer")
+    def outer(t: torch.Tensor) -> torch.Tensor:
+        return inner(t) * 2
+
+    plain = eager_on_graph(enable=False)(lambda t: t - 1)
+    x = torch.ones(4)
+    with context.routed_warmup(outside):
+        assert torch.equal(outer(x), torch.full((4,), 4.0))
+        assert entered == ["out"]
+        plain(x)
+        assert entered == ["out"]
+    outer(x)
+    assert entered == ["out"] and context.warmup_outside_pool() is None
+    with pytest.raises(RuntimeError), context.routed_warmup(outside):
+        raise RuntimeError("a warm-up that fails")
+    assert context.warmup_outside_pool() is None and context._routed_warmups == 0
