@@ -198,3 +198,58 @@ def test_a_break_in_a_routed_warmup_runs_outside_the_pool_once() -> None:
     with pytest.raises(RuntimeError), context.routed_warmup(outside):
         raise RuntimeError("a warm-up that fails")
     assert context.warmup_outside_pool() is None and context._routed_warmups == 0
+
+
+def test_lazy_conjugate_and_negative_views_are_copied_as_their_values() -> None:
+    # A view of the copied bytes would drop the bit, and the code after the break (and the
+    # bridge a replay writes) would read the other values; sparse tensors are held as they are.
+    z = torch.randn(6, dtype=torch.complex64)
+    conj = (z * 2).conj()
+    neg = (z * 3).conj().imag  # a negative view
+    sparse = torch.eye(3).to_sparse()
+    out = (conj, neg, sparse)
+    moved, pooled = copy_into_pool(out, lambda t: t.layout is torch.strided)
+    assert not moved[0].is_conj() and torch.equal(moved[0], conj)
+    assert not moved[1].is_neg() and torch.equal(moved[1], neg)
+    assert moved[2] is sparse and not pooled(sparse)
+    assert pooled(moved[0]) and pooled(moved[1])
+
+
+def test_argument_aliases_keep_the_conjugate_and_negative_bits() -> None:
+    from bcg_core._capture.aliases import alias_tensor  # noqa: PLC2701
+
+    z = torch.randn(6, dtype=torch.complex64)
+    for view in (z.conj(), z.conj().imag, z[1:4]):
+        alias = alias_tensor(view)
+        assert alias.data_ptr() == view.data_ptr()
+        assert (alias.is_conj(), alias.is_neg()) == (view.is_conj(), view.is_neg())
+        assert torch.equal(alias, view)
+
+
+def test_conjugate_views_through_a_break_with_cuda_rules_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The CPU backend with CUDA's rules for breaks (arguments held by alias, outputs copied
+    # into the "pool"): a conjugate view as a break's argument and as its output replays as
+    # eager (before, both lost the bit and read the conjugate; the CUDA test is the same step).
+    from bcg_core._backends.cpu import CpuBackend  # noqa: PLC2701
+
+    monkeypatch.setattr(CpuBackend, "alias_device_types", frozenset({"cpu"}))
+    monkeypatch.setattr(
+        CpuBackend, "allocate_to_pool", lambda self, pool, device: contextlib.nullcontext(True)
+    )
+
+    @eager_on_graph(name="conj")
+    def flip(z: torch.Tensor) -> torch.Tensor:
+        return (z * 2).conj()
+
+    x = torch.randn(64, dtype=torch.complex64)
+
+    def step() -> torch.Tensor:
+        return flip((x + 1).conj()) * 3
+
+    graph, out = capture(step, BreakableCUDAGraph(backend="cpu"))
+    for _ in range(3):
+        x.copy_(torch.randn(64, dtype=torch.complex64))
+        graph.replay()
+        assert torch.equal(out, step())

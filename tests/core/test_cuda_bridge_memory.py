@@ -263,3 +263,25 @@ def test_break_inputs_reused_by_a_later_capture_stay_correct(
         assert torch.equal(out_b, _block(xb, *weights))
         graph_a.replay()
         assert torch.equal(out_a, _block(xa, *weights))
+
+
+def test_conjugate_views_through_a_break_replay_as_eager(stream: torch.cuda.Stream) -> None:
+    # A lazily conjugated view as a break's argument and as its output: the argument alias and
+    # the pooled copy of the output keep the values the views read (a view of the same bytes
+    # without the bit reads the conjugate).
+    @eager_on_graph(name="conj")
+    def flip(z: torch.Tensor) -> torch.Tensor:
+        return (z * 2).conj()
+
+    x = torch.randn(64, dtype=torch.complex64).cuda()
+
+    def step() -> torch.Tensor:
+        return flip((x + 1).conj()) * 3
+
+    graph = BreakableCUDAGraph()
+    with BreakableCUDAGraphCapture(graph, stream=stream):
+        out = step()
+    for _ in range(REPLAYS):
+        x.copy_(torch.randn(64, dtype=torch.complex64).cuda())
+        graph.replay()
+        assert torch.equal(out, step())

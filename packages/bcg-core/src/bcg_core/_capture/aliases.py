@@ -23,8 +23,9 @@ from bcg_core import _trees
 
 
 def alias_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A tensor with ``t``'s device, dtype, storage offset, sizes and strides that does not keep
-    ``t``'s storage alive."""
+    """A tensor with ``t``'s device, dtype, storage offset, sizes, strides and lazy conjugate
+    and negative bits (the values a view reads depend on them) that does not keep ``t``'s
+    storage alive."""
     storage = t.untyped_storage()
     if storage.nbytes() == 0:
         return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
@@ -33,6 +34,10 @@ def alias_tensor(t: torch.Tensor) -> torch.Tensor:
     )
     out = torch.empty(0, dtype=t.dtype, device=t.device)
     out.set_(weak, t.storage_offset(), t.size(), t.stride())
+    if t.is_neg():
+        out = torch._neg_view(out)
+    if t.is_conj():
+        out = out.conj()
     return out
 
 

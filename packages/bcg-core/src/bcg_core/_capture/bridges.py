@@ -40,23 +40,31 @@ def copy_into_pool(
     the test for "one of those copies".
 
     A storage is copied once, whole, and each tensor on it becomes the same view of the copy, so
-    outputs that shared memory still do. A tensor that requires grad while grad mode is on is
-    copied on its own by an autograd-recorded ``copy_``, so the code after the break stays
-    connected to the break's autograd graph.
+    outputs that shared memory still do. Copied on their own, into a dense tensor of their
+    values: a tensor that requires grad while grad mode is on (by an autograd-recorded
+    ``copy_``, so the code after the break stays connected to the break's autograd graph), a
+    lazily conjugated or negated view (a view of the copied bytes would drop the bit, and the
+    values with it) and one whose storage is no whole number of its elements. Sparse and nested
+    tensors are left as they are (held strongly).
     """
     copies: dict[int, torch.Tensor] = {}  # original storage pointer -> its copy, as bytes
     pooled: set[int] = set()
 
+    def plain(t: torch.Tensor) -> bool:
+        return type(t) is torch.Tensor and t.layout is torch.strided and not t.is_nested
+
     def move(t: torch.Tensor) -> torch.Tensor:
-        if type(t) is not torch.Tensor or not made(t):
+        if not plain(t) or not made(t):
             return t
-        if t.requires_grad and torch.is_grad_enabled():
-            tracked = torch.empty_like(t).copy_(t)
-            pooled.add(tracked.untyped_storage().data_ptr())
-            return tracked
         storage = t.untyped_storage()
-        if storage.nbytes() % t.element_size():  # no whole view in t's dtype: copy t alone
-            alone = t.detach().clone(memory_format=torch.preserve_format)
+        if (
+            (t.requires_grad and torch.is_grad_enabled())
+            or t.is_conj()
+            or t.is_neg()
+            or storage.nbytes() % t.element_size()
+        ):
+            alone = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            alone.copy_(t)  # recorded by autograd when t requires grad in grad mode
             pooled.add(alone.untyped_storage().data_ptr())
             return alone
         whole = copies.get(storage.data_ptr())
@@ -68,7 +76,7 @@ def copy_into_pool(
         return whole.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset())
 
     moved = _trees.map_tensors(output, move)
-    return moved, lambda t: t.untyped_storage().data_ptr() in pooled
+    return moved, lambda t: plain(t) and t.untyped_storage().data_ptr() in pooled
 
 
 def contains_device_tensor(obj: Any, device_types: frozenset[str]) -> bool:
