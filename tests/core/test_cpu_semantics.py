@@ -231,6 +231,40 @@ def test_single_tensor_bridge_copies_checks_and_skips_in_place(grad: bool) -> No
             bridge.update(torch.zeros(2, 3, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("many", [False, True])
+def test_expanded_break_outputs_replay_their_new_values(many: bool) -> None:
+    # A break returning a broadcast (stride-0) view, a mask or positions expanded to the batch:
+    # the bridge is written through its first element along the repeated dimensions (a copy
+    # into every element failed at replay: "more than one element ... refers to a single
+    # memory location").
+    x = torch.randn(6)
+
+    @eager_on_graph(name="expand")
+    def spread(h: torch.Tensor) -> Any:
+        wide = (h * 2).expand(4, 6)
+        return (wide, h + 1) if many else wide
+
+    def step() -> torch.Tensor:
+        out = spread(x)
+        return (out[0] if many else out) * 3
+
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        out = step()
+    for _ in range(3):
+        x.copy_(torch.randn(6))
+        graph.replay()
+        assert torch.equal(out, step())
+
+
+def test_expanded_at_capture_but_not_at_replay_is_refused_by_name() -> None:
+    bridge = Bridge("mask", torch.zeros(3).expand(4, 3))
+    bridge.update(torch.ones(3).expand(4, 3))
+    assert torch.equal(bridge.output, torch.ones(4, 3))
+    with pytest.raises(BreakOutputError, match=r"'mask'.*expanded at capture .* not at replay"):
+        bridge.update(torch.ones(4, 3))
+
+
 # -- capture-info parsing (cuda-bindings 12.x and 13.x result tuples) ---------------------------
 
 

@@ -285,3 +285,24 @@ def test_conjugate_views_through_a_break_replay_as_eager(stream: torch.cuda.Stre
         x.copy_(torch.randn(64, dtype=torch.complex64).cuda())
         graph.replay()
         assert torch.equal(out, step())
+
+
+def test_expanded_break_output_replays_as_eager(stream: torch.cuda.Stream) -> None:
+    # A broadcast (stride-0) view as a break's output, copied into the pool with its layout:
+    # each replay writes its first elements along the repeated dimension.
+    @eager_on_graph(name="expand")
+    def spread(h: torch.Tensor) -> torch.Tensor:
+        return (h * 2).expand(8, 256)
+
+    x = randn(256)
+
+    def step() -> torch.Tensor:
+        return spread(x.sin()) + 1
+
+    graph = BreakableCUDAGraph()
+    with BreakableCUDAGraphCapture(graph, stream=stream):
+        out = step()
+    for _ in range(REPLAYS):
+        refresh(x)
+        graph.replay()
+        assert torch.equal(out, step())

@@ -113,8 +113,11 @@ class Bridge:
         leaves, self._spec = _trees.flatten(output)
         # Fresh outputs are checked against metadata read once: nothing else reaches the
         # bridge's tensors, so their shape, dtype and address never change.
+        # An expanded output (stride 0 along some dimensions: a broadcast mask, positions)
+        # is written through its first element along those dimensions.
         self._meta = [
-            (d, d.shape, d.dtype, d.data_ptr()) for d in leaves if isinstance(d, torch.Tensor)
+            (d, d.shape, d.dtype, d.data_ptr(), self._repeated_dims(d, i))
+            for i, d in enumerate(x for x in leaves if isinstance(x, torch.Tensor))
         ]
         self._single = isinstance(output, torch.Tensor)
         # A flat tuple or list (transformers' attention returns ``(out, None)``) is matched by
@@ -155,19 +158,23 @@ class Bridge:
             src = self._match(fresh)
         meta = self._meta
         if len(meta) == 1:  # the common case, without building lists: 0.7 us less per break
-            d, shape, dtype, ptr = meta[0]
+            d, shape, dtype, ptr, repeated = meta[0]
             one = src[0]
             if one.shape != shape or one.dtype != dtype:
                 self._check(d, one, self._tensor_paths()[0])  # raises with the details
             if one.data_ptr() != ptr or not _same_memory(d, one):
+                if repeated:
+                    d, one = self._first_elements(d, one, repeated, 0)
                 d.copy_(one)
             return
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        for i, ((d, shape, dtype, ptr), t) in enumerate(zip(meta, src, strict=True)):
+        for i, ((d, shape, dtype, ptr, repeated), t) in enumerate(zip(meta, src, strict=True)):
             if t.shape != shape or t.dtype != dtype:
                 self._check(d, t, self._tensor_paths()[i])
             if t.data_ptr() != ptr or not _same_memory(d, t):
+                if repeated:
+                    d, t = self._first_elements(d, t, repeated, i)
                 dsts.append(d)
                 srcs.append(t)
         if len(dsts) == 1:
@@ -222,6 +229,36 @@ class Bridge:
         leaves, _ = _trees.flatten(self.output)
         return [p for p, x in zip(paths, leaves, strict=True) if isinstance(x, torch.Tensor)]
 
+    def _repeated_dims(self, d: torch.Tensor, index: int) -> tuple[int, ...]:
+        """The dimensions along which ``d`` repeats one element (stride 0), when its elements
+        overlap in memory that way; raises :class:`BreakOutputError` for any other overlap,
+        which no copy can write."""
+        if torch._debug_has_internal_overlap(d) != 1:  # 0: none, 2: too costly to tell
+            return ()
+        sizes = zip(d.shape, d.stride(), strict=True)
+        dims = tuple(i for i, (n, stride) in enumerate(sizes) if stride == 0 and n > 1)
+        if torch._debug_has_internal_overlap(_first(d, dims)) == 1:
+            raise BreakOutputError(
+                f"break {self._name!r}: {self._tensor_paths()[index]} has elements that share "
+                "memory (other than an expanded dimension), so a replay cannot copy its new "
+                "values into it; return a .contiguous() tensor"
+            )
+        return dims
+
+    def _first_elements(
+        self, d: torch.Tensor, s: torch.Tensor, dims: tuple[int, ...], index: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``d`` and ``s`` narrowed to the first element along the dimensions ``d`` repeats;
+        ``s`` must repeat them too (else its values along them would be lost)."""
+        if any(s.stride(i) != 0 for i in dims):
+            raise BreakOutputError(
+                f"break {self._name!r}: {self._tensor_paths()[index]} was expanded at capture "
+                f"(repeated along dimensions {list(dims)}) but not at replay, so its new values "
+                "do not fit the tensors the next segment reads; return the same layout every "
+                "time (for example a .contiguous() tensor)"
+            )
+        return _first(d, dims), _first(s, dims)
+
     def _check(self, d: torch.Tensor, s: torch.Tensor, where: str) -> None:
         if d.shape != s.shape or d.dtype != s.dtype:
             raise BreakOutputError(
@@ -232,6 +269,12 @@ class Bridge:
 
 # Values a flat output may hold besides tensors: leaves for the tree walker, frozen at capture.
 _LEAF_TYPES = (type(None), bool, int, float, str)
+
+
+def _first(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    for i in dims:
+        t = t.narrow(i, 0, 1)
+    return t
 
 
 def _same_memory(d: torch.Tensor, s: torch.Tensor) -> bool:
