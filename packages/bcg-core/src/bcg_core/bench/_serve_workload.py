@@ -26,7 +26,11 @@ by every request's output tokens), ``x eager`` and ``x full graph`` (against tra
 graphs) its ratios; ``capture ms`` is start-up (manager creation and warm-up, which captures
 the largest graph); ``pool MB`` is graph memory: ``memory_reserved()`` with every request done
 (collected, cache emptied), minus eager's; ``segments`` is the number of graphs captured. The
-``figures`` column adds output tokens/s and time to first token (median, p90, ms). ``correct``:
+``figures`` column adds output tokens/s, time to first token (median, p90, ms) and, for bcg,
+``pool MB counted``: its pool as bcg counts it (``ContinuousBatchingStats.graph_bytes``), free
+of what the ordinary allocator keeps reserved after ``empty_cache()`` from fragmentation,
+which moves ``pool MB`` by a few hundred MB at 8B (an eager run of the varlen engine shows
++288 MB). ``correct``:
 every request's tokens identical to eager's (float32 cases only; bf16 leaves it blank and the
 figures say how many tokens agree); for ``bcg varlen``, identical to ``eager varlen``'s.
 ``--smoke``: a tiny model and 8 short requests on the CPU (transformers' graphs need CUDA);
@@ -71,6 +75,7 @@ class _Run:
     startup_ms: float
     reserved: int | None
     graphs: int | None
+    pool_bytes: int | None = None  # bcg's own count of its pool (ContinuousBatchingStats)
 
 
 def serve_workload(ctx: BenchContext) -> list[Measurement]:
@@ -222,6 +227,7 @@ def _serve_once(
                 raise RuntimeError(f"{name}: {errors[0]}")
             reserved = _reserved() if cuda else None
             graphs = _graph_count(manager, handle)
+            pool_bytes = None if handle is None else handle.stats().graph_bytes
         finally:
             manager.stop(block=True)
             manager.destroy()
@@ -235,6 +241,7 @@ def _serve_once(
         startup_ms=startup_ms,
         reserved=reserved,
         graphs=graphs,
+        pool_bytes=pool_bytes,
     )
 
 
@@ -329,6 +336,8 @@ def _measurements(
             "ttft median ms": statistics.median(last.ttft_ms),
             "ttft p90 ms": _p90(last.ttft_ms),
         }
+        if last.pool_bytes is not None:  # the pool alone, as bcg counts it (no allocator noise)
+            figures["pool MB counted"] = last.pool_bytes / 2**20
         if eager is not None and name != EAGER:
             same = sum(
                 a == b
