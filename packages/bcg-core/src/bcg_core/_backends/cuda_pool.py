@@ -102,6 +102,14 @@ def count_pool_growth(pool: Any, device: Any) -> Iterator[None]:
     not come from torch's snapshot of the pool: reading that snapshot in the states bcg's
     captures leave crashed torch 2.11 (``_capture/fresh.py``). A bare pool id is not counted.
     """
+    with _growth_counted(pool, device, 1):
+        yield
+
+
+@contextlib.contextmanager
+def _growth_counted(pool: Any, device: Any, sign: int) -> Iterator[None]:
+    """Add (``sign`` 1) or take back (-1) what the allocator newly reserves in the block to or
+    from a :class:`CudaPool`'s count; a bare pool id is not counted."""
     if not isinstance(pool, CudaPool):
         yield
         return
@@ -110,7 +118,7 @@ def count_pool_growth(pool: Any, device: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        pool.grew(max(0, reserved_bytes(index) - before))
+        pool.grew(sign * max(0, reserved_bytes(index) - before))
 
 
 _ROUTING_API = (
@@ -162,15 +170,8 @@ def allocate_to_pool(pool: Any, device: Any) -> Iterator[bool]:
 def not_pool_growth(pool: Any, device: Any) -> Iterator[None]:
     """Inside :func:`count_pool_growth`: what the allocator newly reserves in this block is
     not ``pool``'s (a break's allocations, outside the pool)."""
-    if not isinstance(pool, CudaPool):
+    with _growth_counted(pool, device, -1):
         yield
-        return
-    index = device_index(device)
-    before = reserved_bytes(index)
-    try:
-        yield
-    finally:
-        pool.grew(-max(0, reserved_bytes(index) - before))
 
 
 @contextlib.contextmanager
