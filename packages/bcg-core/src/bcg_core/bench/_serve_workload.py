@@ -45,8 +45,10 @@ import os
 import statistics
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -245,21 +247,9 @@ def _serve_once(
     )
 
 
-@contextlib.contextmanager
-def _graphs_disabled(disabled: bool) -> Iterator[None]:
+def _graphs_disabled(disabled: bool) -> AbstractContextManager[Any]:
     """``BCG_DISABLE=1`` around a run (the engine's own thread reads it at every batch)."""
-    if not disabled:
-        yield
-        return
-    saved = os.environ.get("BCG_DISABLE")
-    os.environ["BCG_DISABLE"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["BCG_DISABLE"]
-        else:
-            os.environ["BCG_DISABLE"] = saved
+    return mock.patch.dict(os.environ, {"BCG_DISABLE": "1"}) if disabled else nullcontext()
 
 
 @contextlib.contextmanager
@@ -328,7 +318,7 @@ def _measurements(
             graph_mb = max(0, last.reserved - eager_reserved) / 2**20
         # Padded rows move bf16 near-ties against unpadded eager; eager varlen pads the same.
         correct = None
-        if reference is not None and (judged or name == BCG_VARLEN) and name not in (EAGER,):
+        if reference is not None and (judged or name == BCG_VARLEN) and name != EAGER:
             correct = all(r.tokens == reference.tokens for r in done)
         tokens = sum(len(t) for t in last.tokens.values())
         figures = {
