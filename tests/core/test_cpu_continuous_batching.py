@@ -67,19 +67,49 @@ def generate(model: Any, interval: int = 8, max_batch_tokens: int = 32) -> dict[
 
 
 class Batches:
-    """Records each batch the engine prepares (an observer: calls through unchanged)."""
+    """Records each batch the engine prepares, and which were its warm-up's (an observer: calls
+    through unchanged)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.seen: list[tuple[int, int, int]] = []  # (query bucket, true queries, keys read)
+        self.warmup: set[int] = set()  # indices into seen
+        self._warming = False
         original = ContinuousBatchingIOs.prepare_batch_tensors
+        warmup = model_runner.ModelRunner.run_one_warmup
 
         def prepare(io: Any, *args: Any, **kwargs: Any) -> None:
             original(io, *args, **kwargs)
+            if self._warming:
+                self.warmup.add(len(self.seen))
             self.seen.append(
                 (io.num_q_tokens, io.total_seqlen_q, int(sum(io.total_seqlen_k.values())))
             )
 
+        def run_one_warmup(runner: Any, *args: Any, **kwargs: Any) -> float:
+            self._warming = True
+            try:
+                return warmup(runner, *args, **kwargs)  # type: ignore[no-any-return]
+            finally:
+                self._warming = False
+
         monkeypatch.setattr(ContinuousBatchingIOs, "prepare_batch_tensors", prepare)
+        monkeypatch.setattr(model_runner.ModelRunner, "run_one_warmup", run_one_warmup)
+
+    def expected(self, capture_after: int) -> tuple[int, int, int]:
+        """(graphs, first batches, replays) the recurrence rule gives for these batches: a
+        bucket is captured by a warm-up batch or by its batch number ``capture_after + 1``."""
+        captured: set[int] = set()
+        served: dict[int, int] = {}
+        first = replays = 0
+        for i, (bucket, _, _) in enumerate(self.seen):
+            if bucket in captured:
+                replays += 1
+            elif i in self.warmup or served.get(bucket, 0) >= capture_after:
+                captured.add(bucket)
+            else:
+                served[bucket] = served.get(bucket, 0) + 1
+                first += 1
+        return len(captured), first, replays
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -89,12 +119,15 @@ def test_mixed_batches_equal_eager_token_for_token(
     check_against_eager(make_model(attention), monkeypatch)
 
 
-def check_against_eager(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bcg's tokens equal the eager engine's, with one graph per query bucket (none per KV
-    length) and every batch replayed or captured, none run eagerly."""
+def check_against_eager(
+    model: Any, monkeypatch: pytest.MonkeyPatch, capture_after: int = 1
+) -> None:
+    """bcg's tokens equal the eager engine's, with at most one graph per query bucket (none per
+    KV length): the warm-up's bucket and each bucket that recurs past ``capture_after``
+    batches, every other batch replayed; only those first batches run eagerly."""
     eager = generate(model)
     batches = Batches(monkeypatch)
-    with bcg_core.enable_continuous_batching(model) as handle:
+    with bcg_core.enable_continuous_batching(model, capture_after=capture_after) as handle:
         graphed = generate(model)
         stats = handle.stats()
     assert graphed == eager
@@ -106,13 +139,37 @@ def check_against_eager(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(buckets) >= 2
     # One graph per query bucket, whatever the KV lengths: nothing of the KV is in a graph.
     assert len({keys for _, _, keys in batches.seen}) > len(buckets)
-    assert stats.graphs == len(buckets)
-    assert stats.replays == len(batches.seen) - stats.graphs
+    graphs, first, replays = batches.expected(capture_after)
+    assert (stats.graphs, stats.first_batches, stats.replays) == (graphs, first, replays)
+    assert stats.graphs >= 2 and stats.replays > 0 and batches.warmup
+    if capture_after == 0:
+        assert stats.graphs == len(buckets) and first == 0
     assert stats.eager_calls == 0
     # The engine's warm-up captured the largest bucket first; then each bucket is a multiple of
     # the interval (or the cap) and holds its batch's true queries.
     for bucket, queries, _ in batches.seen:
         assert queries <= bucket and (bucket % 8 == 0 or bucket == 32)
+
+
+@pytest.mark.parametrize("capture_after", [0, 2])
+def test_capture_after_sets_when_a_bucket_is_captured(
+    capture_after: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check_against_eager(make_model(), monkeypatch, capture_after=capture_after)
+
+
+def test_capture_after_is_checked() -> None:
+    model = make_model()
+    compute = vars(model_runner.ModelRunner)["compute_batch"]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="capture_after must be an int >= 0"):
+            bcg_core.enable_continuous_batching(model, capture_after=bad)  # type: ignore[arg-type]
+    assert vars(model_runner.ModelRunner)["compute_batch"] is compute  # nothing patched
+    with (
+        bcg_core.enable_continuous_batching(model),
+        pytest.raises(ValueError, match=r"capture_after=1; remove that handle first"),
+    ):
+        bcg_core.enable_continuous_batching(model, capture_after=0)
 
 
 def test_kv_read_is_never_padded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,7 +195,7 @@ def check_kv_reads(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         stats = handle.stats()
     layers = model.config.num_hidden_layers
     keys = [k for _, _, k in batches.seen]
-    assert stats.graphs == len({b for b, _, _ in batches.seen})
+    assert stats.graphs == batches.expected(1)[0]
     # A capture runs the step warm-ups + 1 times: twice (one warm-up).
     runs_per_capture = 2
     assert len(reads) == layers * (len(keys) + (runs_per_capture - 1) * stats.graphs)

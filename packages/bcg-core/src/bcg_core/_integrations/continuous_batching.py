@@ -10,7 +10,7 @@ call, capture or replay, the break rebuilds the attention's arguments from the l
 engine's ``ContinuousBatchingIOs``) with the batch's true sizes, exactly as the eager engine
 would pass them, and slices the query to the batch's true tokens.
 
-The engine is reached through three methods of ``ModelRunner`` and one of
+The engine is reached through four methods of ``ModelRunner`` and one of
 ``ContinuousBatchingManager`` (which builds the runner), plus the ``paged|sdpa`` and
 ``paged|eager`` entries of transformers' ``AttentionInterface``: patched while any handle is
 alive (each handle holds one reference per patch, ``bcg_core.patch_attribute``), restored when
@@ -61,17 +61,20 @@ class ContinuousBatchingStats:
     """What bcg did for an enabled model, over every engine built for it so far.
 
     Attributes:
-        graphs: graphs captured (one per query-token bucket).
+        graphs: graphs captured (at most one per query-token bucket).
         graph_bytes: the largest pool size seen right after a capture (the engines' shared
             pools; None on the CPU backend).
         replays: batches served by a replay.
-        eager_calls: batches run eagerly (graphs disabled, or a capture failed).
+        eager_calls: batches run eagerly because graphs are disabled or a capture failed.
+        first_batches: batches run eagerly because their bucket had not yet met
+            ``capture_after`` batches (see :func:`enable_continuous_batching`).
     """
 
     graphs: int
     graph_bytes: int | None
     replays: int
     eager_calls: int
+    first_batches: int = 0
 
 
 class ContinuousBatchingHandle(Removable):
@@ -106,7 +109,9 @@ class ContinuousBatchingHandle(Removable):
         """
         r = self._record
         with _lock:
-            return ContinuousBatchingStats(r.graphs, r.graph_bytes, r.replays, r.eager_calls)
+            return ContinuousBatchingStats(
+                r.graphs, r.graph_bytes, r.replays, r.eager_calls, r.first_batches
+            )
 
     def remove(self) -> None:
         """Release this handle's reference (idempotent); see the class docstring."""
@@ -127,7 +132,7 @@ class ContinuousBatchingHandle(Removable):
 
 
 def enable_continuous_batching(
-    model: Any, *, attention: Literal["paged", "varlen"] = "paged"
+    model: Any, *, attention: Literal["paged", "varlen"] = "paged", capture_after: int = 1
 ) -> ContinuousBatchingHandle:
     """Run ``model``'s continuous batching forward through breakable graphs.
 
@@ -146,8 +151,9 @@ def enable_continuous_batching(
     when unset); the KV read is never padded, and each batch's attention gets exactly the
     arguments the eager engine would give it. On CUDA this replaces transformers' own CUDA
     graphs for the model (``use_cuda_graph`` is ignored); a model on the CPU captures with
-    bcg's CPU graph backend. Graphs are captured on first use of a bucket (the engine's warm-up,
-    on by default, captures the largest first).
+    bcg's CPU graph backend. The engine's warm-up (on by default: the largest bucket) captures
+    at once; in serving, a bucket is captured once it recurs (``capture_after``), so a bucket
+    met once (the tail of a prefill, say) costs neither a capture nor pool memory.
 
     Args:
         model: a transformers ``PreTrainedModel`` whose attention is ``sdpa`` or ``eager``
@@ -161,14 +167,18 @@ def enable_continuous_batching(
             runs eagerly (graphs disabled with ``BCG_DISABLE=1``, a failed capture) runs the
             same kernel on the same padded batch, so such a run is the reference a replay
             equals bitwise.
+        capture_after: batches of a bucket the engine serves eagerly before capturing it,
+            outside its warm-up (default 1: captured on the bucket's second batch; 0: on its
+            first, as transformers' own graphs are). They count as ``first_batches``.
 
     Returns:
         A :class:`ContinuousBatchingHandle`; ``remove()`` undoes this call.
 
     Raises:
         ImportError: transformers is missing or not a supported version (5.17).
-        ValueError: the model's attention is another one (flash, flex), or ``attention`` is
-            unknown or ``"varlen"`` where torch has no ``varlen_attn``; nothing is patched.
+        ValueError: the model's attention is another one (flash, flex), ``attention`` is
+            unknown or ``"varlen"`` where torch has no ``varlen_attn``, or ``capture_after`` is
+            negative; nothing is patched.
         ``"varlen"`` is also refused for a model off CUDA or not in float16/bfloat16, and
         when the engine starts for a model with sliding-window layers. Asynchronous batching
         is turned off (with a warning) for an enabled model's engines.
@@ -183,6 +193,8 @@ def enable_continuous_batching(
         )
     if attention not in ("paged", "varlen"):
         raise ValueError(f'attention must be "paged" or "varlen", got {attention!r}')
+    if isinstance(capture_after, bool) or not isinstance(capture_after, int) or capture_after < 0:
+        raise ValueError(f"capture_after must be an int >= 0, got {capture_after!r}")
     if attention == "varlen" and _varlen_attn() is None:
         raise ValueError(
             'attention="varlen" needs torch.nn.attention.varlen.varlen_attn (torch >= 2.9); '
@@ -204,14 +216,18 @@ def enable_continuous_batching(
         )
     with _lock:
         record = _enabled.get(model)
-        if record is not None and record.attention != attention:
+        if record is not None and (record.attention, record.capture_after) != (
+            attention,
+            capture_after,
+        ):
             raise ValueError(
                 f"bcg continuous batching is already enabled for this model with "
-                f"attention={record.attention!r}; remove that handle first"
+                f"attention={record.attention!r}, capture_after={record.capture_after}; "
+                "remove that handle first"
             )
         patches = _patch()
         if record is None:
-            record = _enabled[model] = _Record(attention=attention)
+            record = _enabled[model] = _Record(attention=attention, capture_after=capture_after)
         record.handles += 1
     return ContinuousBatchingHandle(model, record, patches)
 
@@ -239,11 +255,13 @@ class _Record:
     ``generate_batch``)."""
 
     attention: str = "paged"
+    capture_after: int = 1
     handles: int = 0
     graphs: int = 0
     graph_bytes: int | None = None
     replays: int = 0
     eager_calls: int = 0
+    first_batches: int = 0
 
 
 # -- patches ------------------------------------------------------------------------------------
@@ -263,6 +281,7 @@ def _patch() -> PatchHandle:
         (continuous_api.ContinuousBatchingManager, "_create_batch_processor", _wrap_create),
         (runner_cls, "maybe_pad_inputs", _wrap_pad),
         (runner_cls, "compute_batch", _wrap_compute),
+        (runner_cls, "warmup", _wrap_warmup),
     ]
     mapping: dict[str, Any] = AttentionInterface._global_mapping
     targets += [(mapping, name, _WRAP_PAGED[name]) for name in _ATTENTION]
@@ -309,6 +328,22 @@ def _wrap_pad(original: Callable[..., Any]) -> Callable[..., Any]:
         return pad_to_interval(num_q_tokens, interval, self.cache.max_batch_tokens), max_kv_read
 
     return maybe_pad_inputs
+
+
+def _wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
+    def warmup(self: Any, model: Any) -> None:
+        with _lock:
+            session = _sessions.get(self)
+        if session is None:
+            original(self, model)
+            return
+        session.warming_up = True  # the engine's warm-up batches capture at once
+        try:
+            original(self, model)
+        finally:
+            session.warming_up = False
+
+    return warmup
 
 
 def _wrap_compute(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -359,6 +394,8 @@ class _Session:
             warmup_iters=1,
         )
         self.captured: set[int] = set()
+        self.batches: dict[int, int] = {}  # bucket -> batches served before its capture
+        self.warming_up = False
         self._call: tuple[Any, ...] | None = None
 
     def compute(self, tf_runner: Any, model: Any, batch_data: dict[str, Any]) -> None:
@@ -368,7 +405,8 @@ class _Session:
         if tf_runner.supports_logits_to_keep(model):
             batch_data["logits_to_keep"] = batch_data["logits_indices"]
         bucket = int(io.num_q_tokens)
-        self._call = (tf_runner, model, batch_data, io.get_cb_kwargs())
+        cb_kwargs = io.get_cb_kwargs()
+        self._call = (tf_runner, model, batch_data, cb_kwargs)
         token = _live_batch.set((io, self.record.attention == "varlen"))
         stream = io.compute_stream
         try:
@@ -377,8 +415,13 @@ class _Session:
                     eager = self.record.eager_calls
                     self.runner(bucket)
                     self.record.replays += self.record.eager_calls == eager  # not run eagerly
-                else:
+                elif self.warming_up or self.batches.get(bucket, 0) >= self.record.capture_after:
                     self._capture(bucket)
+                else:
+                    # Not yet recurring: served eagerly, as the engine without graphs would.
+                    self.batches[bucket] = self.batches.get(bucket, 0) + 1
+                    self.record.first_batches += 1
+                    tf_runner._forward_process_and_sample(model, batch_data, *cb_kwargs)
         finally:
             _live_batch.reset(token)
             self._call = None
@@ -455,14 +498,11 @@ def _breakable_paged(function: Callable[..., Any], name: str) -> Callable[..., A
         if live is None:
             return function(module, query, key, value, mask, **kwargs)
         io, varlen = live
-        graphed = is_in_breakable_cuda_graph()
-        if not graphed and not varlen:
-            return function(module, query, key, value, mask, **kwargs)
         for replaced in ("cache", "read_index", "write_index"):
             kwargs.pop(replaced, None)
-        if not graphed:
-            # A batch run eagerly (graphs disabled, a failed capture) computes what a replay
-            # computes: the varlen kernel on the same padded batch.
+        if not is_in_breakable_cuda_graph():
+            # A batch run eagerly (a bucket's first batches, graphs disabled, a failed capture)
+            # computes what a replay computes: the same kernel on the batch's true tokens.
             return paged_attention_break(module, query, key, value, io, varlen, kwargs), None
         return as_break(module, query, key, value, io, varlen, kwargs), None
 

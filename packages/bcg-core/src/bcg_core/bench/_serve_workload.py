@@ -13,13 +13,14 @@ how many tokens agree (``tokens equal %``).
 
 Contenders: ``eager`` (the engine without graphs), ``transformers graphs`` (the engine's own
 CUDA graphs with its default padding: queries to 64-token buckets, the KV read to 16384-token
-buckets, one graph per (query, KV) key) and ``bcg`` (:func:`bcg_core.enable_continuous_batching`:
-one graph per query bucket, paged attention as the break, no KV padding) and ``bcg varlen``
-(the same with torch's ``varlen_attn`` as the break's kernel: no dense mask over the packed
-batch), and ``eager varlen`` (bcg's varlen integration with graphs disabled, ``BCG_DISABLE=1``:
-the engine eager with the same kernel on the same query-padded batches, which is the reference
-``bcg varlen`` must equal token for token, in every dtype). Each contender runs the whole
-workload in its own manager, twice, interleaved.
+buckets, one graph per (query, KV) key) and ``bcg``
+(:func:`bcg_core.enable_continuous_batching`: one graph per recurring query bucket, paged
+attention as the break, no KV padding) and ``bcg varlen`` (the same with torch's
+``varlen_attn`` as the break's kernel: no dense mask over the packed batch), and ``eager
+varlen`` (bcg's varlen integration with graphs disabled, ``BCG_DISABLE=1``: the engine eager
+with the same kernel on the same query-padded batches, which is the reference ``bcg varlen``
+must equal token for token, in every dtype). Each contender runs the whole workload in its own
+manager, twice, interleaved.
 
 Columns: ``us/step`` is wall time per generated token (first submission to last finish, divided
 by every request's output tokens), ``x eager`` and ``x full graph`` (against transformers'
