@@ -116,6 +116,27 @@ def test_the_tensors_a_block_made_are_told_from_the_ones_it_was_given() -> None:
     assert not tracker.made_on(torch.device("meta"))(outputs[0])  # another device: not pooled
 
 
+def test_fresh_returns_follow_the_schema_and_check_other_libraries_ops() -> None:
+    # ATen's schemas say which returns alias an input (views, in-place and out= writes); an op
+    # of another library has its outputs compared with its inputs' storages instead.
+    lib = torch.library.Library("bcg_test_fresh", "FRAGMENT")
+    lib.define("same(Tensor x) -> Tensor")
+    lib.impl("same", lambda x: x.detach(), "CompositeExplicitAutograd")  # unannotated alias
+    lib.define("twice(Tensor x) -> Tensor")
+    lib.impl("twice", lambda x: x * 2, "CompositeExplicitAutograd")
+    x, out = torch.arange(6.0), torch.empty(6)
+    with FreshTensorTracker("cpu") as tracker:
+        values, indices = torch.max(x.view(2, 3), dim=1)  # two fresh returns
+        parts = torch.split(x, 2)  # views
+        summed = torch._foreach_add([x, x], 1.0)  # a fresh list
+        written = torch.add(x, 1, out=out)  # out=: the argument
+        same = torch.ops.bcg_test_fresh.same(x)  # another library's alias: told by storage
+        twice = torch.ops.bcg_test_fresh.twice(x)
+    made = tracker.made_on(torch.device("cpu"))
+    assert [made(t) for t in (values, indices, *summed, twice)] == [True] * 5
+    assert not any(made(t) for t in (*parts, written, same, x, out))
+
+
 class Pair(NamedTuple):
     pooled: torch.Tensor
     static: torch.Tensor

@@ -17,6 +17,7 @@ holds it strongly, which is always safe.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
@@ -45,12 +46,38 @@ def flat_tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+# Namespaces whose schemas state every alias (ATen's are checked by torch's own tests and
+# functionalization relies on them); another library's op may return an input unannotated.
+_TRUSTED_SCHEMAS = frozenset({"aten", "prims"})
+_fresh_cache: dict[Any, tuple[int, ...] | None] = {}
+_fresh_lock = threading.Lock()
+
+
+def _fresh_returns(func: Any) -> tuple[int, ...] | None:
+    """The positions of ``func``'s returns that are new allocations (a return without alias
+    annotation in the schema of a trusted namespace), or None where the schema is not trusted.
+    Read once per op: the per-op cost is most of a break's at capture."""
+    try:
+        return _fresh_cache[func]
+    except KeyError:
+        pass
+    schema = getattr(func, "_schema", None)
+    positions: tuple[int, ...] | None = None
+    if schema is not None and getattr(func, "namespace", None) in _TRUSTED_SCHEMAS:
+        positions = tuple(i for i, r in enumerate(schema.returns) if r.alias_info is None)
+    with _fresh_lock:
+        _fresh_cache[func] = positions
+    return positions
+
+
 class FreshTensorTracker(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Weak references to the ``device_type`` storages that the enclosed ops created.
 
-    An op's output is fresh when its storage is none of its inputs' (views and in-place writes
-    are not). Storages, not tensor objects, are referenced: a view kept after its base died
-    still holds the storage. Only weak references are held, so the tracker keeps nothing alive.
+    An op's output is fresh when its schema says it is no alias (ATen's and prims' schemas
+    annotate every view, in-place and ``out=`` return), or, for another library's op, when its
+    storage is none of its inputs' (views and in-place writes are not). Storages, not tensor
+    objects, are referenced: a view kept after its base died still holds the storage. Only weak
+    references are held, so the tracker keeps nothing alive.
     """
 
     @classmethod
@@ -81,14 +108,26 @@ class FreshTensorTracker(torch.utils._python_dispatch.TorchDispatchMode):  # typ
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {storage_key(t) for t in flat_tensors((args, kwargs))}
-        for t in flat_tensors(out):
-            if t.device.type == self.device_type and storage_key(t) not in inputs:
-                storage = t.untyped_storage()
-                if storage.nbytes():
-                    ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
-                    self.fresh.append((ref, storage.data_ptr(), storage.nbytes()))
+        fresh = _fresh_returns(func)
+        if fresh is None:  # no schema to trust: compare with the inputs' storages
+            inputs = {storage_key(t) for t in flat_tensors((args, kwargs))}
+            for t in flat_tensors(out):
+                if storage_key(t) not in inputs:
+                    self._note(t)
+        elif fresh:
+            outs = out if isinstance(out, tuple) else (out,)
+            for i in fresh:
+                for t in flat_tensors(outs[i]):
+                    self._note(t)
         return out
+
+    def _note(self, t: torch.Tensor) -> None:
+        if t.device.type != self.device_type:
+            return
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+            self.fresh.append((ref, storage.data_ptr(), storage.nbytes()))
 
     def alive(self) -> dict[int, int]:
         """Storage pointer → bytes of every fresh storage still referenced by a live tensor."""
