@@ -27,11 +27,14 @@ by every request's output tokens), ``x eager`` and ``x full graph`` (against tra
 graphs) its ratios; ``capture ms`` is start-up (manager creation and warm-up, which captures
 the largest graph); ``pool MB`` is graph memory: ``memory_reserved()`` with every request done
 (collected, cache emptied), minus eager's; ``segments`` is the number of graphs captured. The
-``figures`` column adds output tokens/s, time to first token (median, p90, ms) and, for bcg,
-``pool MB counted``: its pool as bcg counts it (``ContinuousBatchingStats.graph_bytes``), free
-of what the ordinary allocator keeps reserved after ``empty_cache()`` from fragmentation,
-which moves ``pool MB`` by a few hundred MB at 8B (an eager run of the varlen engine shows
-+288 MB). ``correct``:
+``figures`` column adds output tokens/s, time to first token (median, p90, ms) and, for the
+graph contenders, ``pool MB counted``: the graphs' pool alone, counted the same way for both
+(what the allocator newly reserves while the graphs capture and warm up into their pool,
+which never gives memory back: bcg's ``ContinuousBatchingStats.graph_bytes``; for
+transformers, the growth across each ``ModelRunner._capture_graph``), free of what the
+ordinary allocator keeps reserved after ``empty_cache()`` from fragmentation, which moves
+``pool MB`` by a few hundred MB at 8B (eager runs of the varlen engine, no graph at all, show
++288 and +384 MB). ``correct``:
 every request's tokens identical to eager's (float32 cases only; bf16 leaves it blank and the
 figures say how many tokens agree); for ``bcg varlen``, identical to ``eager varlen``'s.
 ``--smoke``: a tiny model and 8 short requests on the CPU (transformers' graphs need CUDA);
@@ -170,8 +173,11 @@ def _serve(
     requests: list[tuple[list[int], int]],
     name: str,
 ) -> _Run:
-    with _graphs_disabled(name == EAGER_VARLEN):  # for the whole run: start-up and serving
-        return _serve_once(ctx, transformers, model, requests, name)
+    tf_pool: list[int] = []  # transformers' graphs: what each capture reserved (its pool)
+    counted = _tf_pool_counted(tf_pool) if name == TF_GRAPHS and ctx.device.type == "cuda" else None
+    # For the whole run: start-up and serving.
+    with _graphs_disabled(name == EAGER_VARLEN), counted or nullcontext():
+        return _serve_once(ctx, transformers, model, requests, name, tf_pool)
 
 
 def _serve_once(
@@ -180,6 +186,7 @@ def _serve_once(
     model: Any,
     requests: list[tuple[list[int], int]],
     name: str,
+    tf_pool: list[int],
 ) -> _Run:
     cuda = ctx.device.type == "cuda"
     gen = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
@@ -230,7 +237,9 @@ def _serve_once(
                 raise RuntimeError(f"{name}: {errors[0]}")
             reserved = _reserved() if cuda else None
             graphs = _graph_count(manager, handle)
-            pool_bytes = None if handle is None else handle.stats().graph_bytes
+            pool_bytes = sum(tf_pool) if tf_pool else None
+            if handle is not None:
+                pool_bytes = handle.stats().graph_bytes
         finally:
             manager.stop(block=True)
             manager.destroy()
@@ -269,6 +278,27 @@ def _memory_query(device: torch.device) -> Iterator[None]:
         yield
     finally:
         handler.get_available_memory = saved
+
+
+@contextlib.contextmanager
+def _tf_pool_counted(grown: list[int]) -> Iterator[None]:
+    """transformers' graphs: what the allocator newly reserves in each of the engine's graph
+    captures (its warm-up run and capture both allocate in the graphs' shared pool, which never
+    gives memory back), the way bcg counts its own pool; the engine thread is the only one
+    allocating then."""
+    from transformers.generation.continuous_batching import model_runner
+
+    runner: Any = model_runner.ModelRunner  # untyped library
+    capture = runner._capture_graph
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        capture(self, *args, **kwargs)
+        grown.append(max(0, torch.cuda.memory_reserved() - before))
+
+    with mock.patch.object(runner, "_capture_graph", counted):
+        yield
 
 
 def _graph_count(manager: Any, handle: bcg_core.ContinuousBatchingHandle | None) -> int | None:
@@ -327,7 +357,7 @@ def _measurements(
             "ttft median ms": statistics.median(last.ttft_ms),
             "ttft p90 ms": _p90(last.ttft_ms),
         }
-        if last.pool_bytes is not None:  # the pool alone, as bcg counts it (no allocator noise)
+        if last.pool_bytes is not None:  # the pool alone (no allocator noise), both counted alike
             figures["pool MB counted"] = last.pool_bytes / 2**20
         if eager is not None and name != EAGER:
             same = sum(
