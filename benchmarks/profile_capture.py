@@ -30,10 +30,17 @@ from typing import Any
 
 import torch
 
-from bcg_core import BreakableCUDAGraph, BreakableCUDAGraphCapture, enable_breakable_cuda_graph
+from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    eager_on_graph,
+    enable_breakable_cuda_graph,
+)
 from bcg_core._backends import cuda as cuda_backend
+from bcg_core._backends import cuda_pool
 from bcg_core._backends.cudart import RUNTIME
 from bcg_core._capture import capture as capture_mod
+from bcg_core.bench import _toy_decoder as toy_decoder
 from bcg_core.bench._scale_workload import scale_config
 from bcg_core.bench._toy_decoder import ToyDecoder
 
@@ -75,6 +82,25 @@ def _instrument() -> None:
     _timing(capture_mod.FreshTensorTracker, "__torch_dispatch__", "bcg fresh tracker, per op")
     _timing(capture_mod, "Bridge", "bcg Bridge(...)")
     _timing(capture_mod, "alias_tree", "bcg alias_tree (break arguments)")
+    _timing(capture_mod, "copy_into_pool", "bcg copy_into_pool (fresh outputs)")
+    _timing(capture_mod, "BreakStep", "bcg BreakStep(...)")
+    _timing(cuda_pool, "reserved_bytes", "bcg reserved_bytes (pool count reads)")
+    _timing(cuda_backend, "allocate_to_pool", "bcg allocate_to_pool (making the block)")
+    # The break's own body, in both contenders (plain graphs call it directly): what is left of
+    # record_break beyond it is bcg's per-break cost.
+    core = toy_decoder.attention_core
+
+    def timed_core(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return core(*args, **kwargs)
+        finally:
+            TIMES["break body (attention_core)"] += time.perf_counter() - started
+            COUNTS["break body (attention_core)"] += 1
+
+    toy_decoder._attention_break = eager_on_graph(name="toy_decoder.attention", gated=True)(
+        timed_core
+    )
 
 
 @contextmanager
