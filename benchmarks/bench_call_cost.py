@@ -1,7 +1,8 @@
 """What a runner call costs over replaying the same breakable graph by hand, at real scale.
 
 ``python3 benchmarks/bench_call_cost.py --out DIR`` (both packages' ``src`` on ``PYTHONPATH``)
-(``--workloads hf-llama,decoder-8b,flux``; ``--smoke`` for tiny models, also on CPU)
+(``--workloads hf-llama,decoder-8b,flux``; ``--smoke`` for tiny models, also on CPU;
+``--profile`` adds ``DIR/profile-call-<workload>.txt``, cProfile of 200 runner calls)
 
 Workloads (bf16 on CUDA, random weights): ``hf-llama`` (the ``hf-llama`` bench model, batch 1,
 a decode step over a StaticCache rewound each step, no call arguments), ``decoder-8b`` (the toy
@@ -31,9 +32,12 @@ and the flag. Writes ``DIR/bench_call_cost-<device>.json`` and prints one line p
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import gc
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -237,7 +241,9 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def bench_case(case: Case, device: torch.device, repeats: int, steps: int) -> dict[str, Any]:
+def bench_case(
+    case: Case, device: torch.device, repeats: int, steps: int, profile: Path | None = None
+) -> dict[str, Any]:
     variants = _variants(case, device)
     timed = {k: v for k, v in variants.items() if not k.startswith("_")}
     result: dict[str, Any] = {}
@@ -268,6 +274,16 @@ def bench_case(case: Case, device: torch.device, repeats: int, steps: int) -> di
                     if k != "hand"
                 },
             }
+        if profile is not None:  # where the runner's host time goes, device idle at each call
+            profiler = cProfile.Profile()
+            for _ in range(200):
+                _sync(device)
+                profiler.enable()
+                timed["runner"]()
+                profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+            profile.write_text(text.getvalue())
     result["same_output"] = same
     result["meets_target"] = all(
         result[m]["overhead_us"][r]["median"] <= TARGET_US
@@ -284,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny models (any device)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument(
+        "--profile", action="store_true", help="also write a cProfile of 200 runner calls"
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     makers: dict[str, Callable[[torch.device, bool], Case | str]] = {
@@ -300,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_call_cost {name}: skipped ({case})")
             continue
         try:
-            result = bench_case(case, device, args.repeats, args.steps)
+            profile = args.out / f"profile-call-{name}.txt" if args.profile else None
+            args.out.mkdir(parents=True, exist_ok=True)
+            result = bench_case(case, device, args.repeats, args.steps, profile)
         finally:
             case.close()
         report[name] = result

@@ -2,12 +2,14 @@
 
 Graphs that share a pool must run one at a time: a later capture may have been given memory
 that an earlier graph's intermediates use during its replay. Runners sharing a pool therefore
-share one :class:`PoolTurn`: a re-entrant lock that serialises their calls on the host, and one
-device event recorded after each use of the pool (a replay and its output clone, or a capture),
-on whatever stream it ran. The next use waits on that event on its own stream before it writes
-anything (input copies, a replay, a capture), and memory is released only after the event is
-reached. Each use waits on the previous one, so waiting on the last event orders a use after
-*every* earlier one.
+share one :class:`PoolTurn`: a re-entrant lock that serialises their calls on the host, and the
+stream of the last use of the pool (a replay and its output clone, or a capture). A use on that
+same stream is ordered after it by the stream itself, so the common case (every call from one
+stream) costs no event. A use on another stream first records an event on the last use's stream
+(marking everything issued there so far, the last use among it) and waits on it before it
+writes anything (input copies, a replay, a capture); memory is released only after the last
+use's stream is reached. Each use waits on the previous one, so ordering after the last use
+orders after *every* earlier one.
 
 The turn of a pool is found by the pool object (weakly, so the registry never keeps a pool
 alive). A bare pool id (``torch.cuda.graph_pool_handle()``, a tuple) cannot be registered: a
@@ -21,33 +23,57 @@ import threading
 import weakref
 from typing import Any
 
-from bcg_core._backends import DeviceEvent, GraphBackend
+from bcg_core._backends import CaptureStatus, DeviceEvent, GraphBackend
+from bcg_core._errors import CaptureError
 
 
 class PoolTurn:
-    """A lock for the host and an event for the device, shared by the users of one pool."""
+    """A lock for the host and the last use's stream for the device, shared by the users of
+    one pool."""
 
     def __init__(self, backend: GraphBackend) -> None:
         self.lock = threading.RLock()
         self._backend = backend
-        self._event: DeviceEvent | None = None
+        self._stream: Any = None  # of the last use; None before the first
 
     def wait(self, stream: Any) -> None:
-        """Make ``stream`` wait for the last use of the pool (nothing before the first)."""
-        if self._event is not None:
-            self._event.wait(stream)
+        """Make ``stream`` wait for the last use of the pool (nothing before the first, nothing
+        on the same stream: its own order suffices).
+
+        Raises:
+            CaptureError: the last use's stream is capturing now (another capture began on
+                it since), so no event can mark its work.
+        """
+        last = self._stream
+        if last is None or last == stream:
+            return
+        self._check_not_capturing(last)
+        event: DeviceEvent = self._backend.new_event()
+        event.record(last)
+        event.wait(stream)
 
     def record(self, stream: Any) -> None:
         """Mark the end of a use of the pool on ``stream``."""
-        if self._event is None:
-            self._event = self._backend.new_event()
-        self._event.record(stream)
+        self._stream = stream
 
     def drain(self) -> None:
         """Block the host until the last use of the pool has finished on the device (before
-        memory it used is released)."""
-        if self._event is not None:
-            self._event.synchronize()
+        memory it used is released).
+
+        Raises:
+            CaptureError: the last use's stream is capturing now.
+        """
+        if self._stream is not None:
+            self._check_not_capturing(self._stream)
+            self._backend.synchronize((self._stream,))
+
+    def _check_not_capturing(self, last: Any) -> None:
+        if self._backend.capture_info(last).status is not CaptureStatus.NONE:
+            raise CaptureError(
+                f"this graph pool was last used on stream {last!r}, which is capturing now: its "
+                "work cannot be waited for. End that capture first, or call the runner from "
+                "the stream it last ran on."
+            )
 
 
 _TURNS: weakref.WeakKeyDictionary[Any, PoolTurn] = weakref.WeakKeyDictionary()
