@@ -214,7 +214,23 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], *, into_objects: bo
     ``into_objects=False`` dataclasses and plain objects are left untouched (the runner passes
     them by reference).
     """
-    return _map(obj, fn, into_objects, set())
+    kind = type(obj)
+    if kind is tuple or kind is list:  # the common flat argument list, without the walk
+        items = obj
+    elif kind is dict:
+        items = obj.values()
+    else:
+        return _map(obj, fn, into_objects, set())
+    if not all(isinstance(x, torch.Tensor) or type(x) in SCALARS for x in items):
+        return _map(obj, fn, into_objects, set())
+    if kind is dict:
+        mapped_dict = {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in obj.items()}
+        same = all(mapped_dict[k] is v for k, v in obj.items())
+        return obj if same else mapped_dict
+    mapped = [fn(x) if isinstance(x, torch.Tensor) else x for x in obj]
+    if all(m is x for m, x in zip(mapped, obj, strict=True)):
+        return obj
+    return tuple(mapped) if kind is tuple else mapped
 
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], Any], into_objects: bool, active: set[int]) -> Any:
