@@ -12,6 +12,7 @@ import torch
 from graph_helpers import device_graph
 
 from bcg_core import (
+    BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
     BreakableGraphRunner,
     CaptureError,
@@ -22,6 +23,8 @@ from bcg_core import (
     is_in_breakable_cuda_graph,
     signature_of,
 )
+from bcg_core._backends.cpu import CpuBackend  # noqa: PLC2701
+from bcg_core._runner.pool import PoolTurn  # noqa: PLC2701
 from bcg_core.bench import BenchContext
 from bcg_core.bench._workloads import discover  # noqa: PLC2701
 
@@ -276,3 +279,23 @@ def test_memory_workload_skips_without_cuda_saying_why() -> None:
     results = discover()["memory"](BenchContext(torch.device("cpu"), smoke=True))
     assert [m.contender for m in results] == ["full_graph", "bcg"]
     assert all(m.skipped is not None and "needs CUDA" in m.skipped for m in results)
+
+
+def test_the_pool_turn_orders_by_the_last_stream_and_refuses_a_capturing_one() -> None:
+    # Calls from the stream of the last use are ordered by that stream; another stream waits on
+    # an event recorded then on the last one, which cannot be done while it captures.
+    backend = CpuBackend()
+    turn = PoolTurn(backend)
+    other = backend.new_stream()
+    turn.wait(other)  # nothing to wait for before the first use
+    turn.drain()
+    with BreakableCUDAGraphCapture(BreakableCUDAGraph(backend="cpu")):
+        capturing = backend.current_stream()
+        turn.record(capturing)
+        turn.wait(capturing)  # the same stream: nothing to record
+        with pytest.raises(CaptureError, match="which is capturing now"):
+            turn.wait(other)
+        with pytest.raises(CaptureError, match="which is capturing now"):
+            turn.drain()
+    turn.wait(other)  # the capture ended: the last stream can be waited for again
+    turn.drain()
