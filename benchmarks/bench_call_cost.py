@@ -21,9 +21,13 @@ Three modes: ``sync`` (the device synchronised after every call: call-to-result 
 ``--steps`` calls: what a call costs in a loop that never waits; nothing when the device is the
 bottleneck) and ``host`` (the call's own host time, the device idle at its start and
 synchronised outside the timed span: the bookkeeping alone, free of the device's
-step-to-step variation, which at 8 ms a step is larger than the target). Figures are medians
-over ``--repeats`` of the per-call time; ``overhead`` is ``runner - hand`` per repeat (target:
-<= 25 us in sync and pipelined mode). The
+step-to-step variation, which at 8 ms a step is larger than the target). Samples are taken
+interleaved, the variants' order rotated every round (``sync`` and ``host``: one call per
+variant and round, ``--repeats`` x ``--steps`` rounds; ``pipelined``: one block of ``--steps``
+calls per variant and round, ``--repeats`` rounds), and ``overhead`` is the median of the paired
+differences ``runner - hand`` of one round (target: <= 25 us in sync and pipelined mode):
+neighbouring samples share the host's and the device's drift, which moved whole runs of one
+variant by tens of us when variants ran one after another. The
 gap between ``hand+protocol`` and ``runner`` is the runner's host bookkeeping (lock, signature
 walk, dictionary lookups); the gap between ``hand`` and ``hand+protocol`` is the event order
 and the flag. Writes ``DIR/bench_call_cost-<device>.json`` and prints one line per workload.
@@ -217,24 +221,50 @@ def _variants(case: Case, device: torch.device) -> dict[str, Callable[[], object
     return variants
 
 
-def _time(fn: Callable[[], object], steps: int, device: torch.device, mode: str) -> float:
-    if mode == "host":  # the call alone, the device idle at its start: host cost, no GPU noise
-        total = 0.0
-        for _ in range(steps):
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            total += time.perf_counter() - start
+def _one_call(fn: Callable[[], object], device: torch.device, mode: str) -> float:
+    """One call's time in us: to its result (``sync``) or its host part alone (``host``)."""
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    if mode == "sync":
         _sync(device)
-        return total * 1e6 / steps
+    elapsed = time.perf_counter() - start
+    _sync(device)
+    return elapsed * 1e6
+
+
+def _block(fn: Callable[[], object], steps: int, device: torch.device) -> float:
+    """us per call over ``steps`` calls with one synchronisation at the end (``pipelined``)."""
     _sync(device)
     start = time.perf_counter()
     for _ in range(steps):
         fn()
-        if mode == "sync":
-            _sync(device)
     _sync(device)
     return (time.perf_counter() - start) * 1e6 / steps
+
+
+def _samples(
+    timed: dict[str, Callable[[], object]],
+    repeats: int,
+    steps: int,
+    device: torch.device,
+    mode: str,
+) -> dict[str, list[float]]:
+    """Per-variant samples taken interleaved, the variants' order rotated at every round: the
+    i-th samples of two variants are neighbours in time, so their difference is free of the
+    host's and the device's drift (which moved whole runs by tens of us)."""
+    names = list(timed)
+    out: dict[str, list[float]] = {k: [] for k in names}
+    rounds = repeats * steps if mode != "pipelined" else repeats
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            fn = timed[name]
+            value = (
+                _block(fn, steps, device) if mode == "pipelined" else _one_call(fn, device, mode)
+            )
+            out[name].append(value)
+    return out
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -253,16 +283,13 @@ def bench_case(
         expected = expected.clone()
         same = all(torch.equal(fn(), expected) for fn in timed.values())  # type: ignore[arg-type]
         for mode in MODES:
-            times: dict[str, list[float]] = {k: [] for k in timed}
             for fn in timed.values():
                 for _ in range(3):
                     fn()
             gc.collect()
             gc.disable()
             try:
-                for _ in range(repeats):
-                    for name, fn in timed.items():
-                        times[name].append(_time(fn, steps, device, mode))
+                times = _samples(timed, repeats, steps, device, mode)
             finally:
                 gc.enable()
             hand = times["hand"]

@@ -306,3 +306,45 @@ def test_expanded_break_output_replays_as_eager(stream: torch.cuda.Stream) -> No
         refresh(x)
         graph.replay()
         assert torch.equal(out, step())
+
+
+def test_only_outputs_nothing_else_holds_are_pooled(stream: torch.cuda.Stream) -> None:
+    # A view of the break's cache is held as it is (the code after the break writes into the
+    # cache through it); the fresh sum and a view of a dead temporary go to the pool.
+    cache = torch.zeros(4, HIDDEN, device="cuda")
+    kept: list[torch.Tensor] = []
+
+    @eager_on_graph(name="cache_write")
+    def cache_write(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cache[0].copy_(h[0])
+        out = h.sum(0)
+        kept[:] = [h * 3]
+        return cache[:1], out, (h * 2).t()
+
+    x = randn(8, HIDDEN)
+
+    def step() -> torch.Tensor:
+        view, total, flipped = cache_write(x + 1)
+        view.mul_(3)
+        return view.sum(1) + total.sum() + flipped.sum()
+
+    graph = BreakableCUDAGraph()
+    ptrs: list[int] = []
+    with BreakableCUDAGraphCapture(graph, stream=stream):
+        view, total, flipped = cache_write(x + 1)
+        ptrs += [view.data_ptr(), total.data_ptr(), flipped.untyped_storage().data_ptr()]
+        view.mul_(3)
+        out = view.sum(1) + total.sum() + flipped.sum()
+        del view, total, flipped
+    gc.collect()
+    pool = graph.pool().id
+    assert ptrs[0] == cache.data_ptr()
+    assert [_in_pool(p, pool) for p in ptrs] == [False, True, True]
+    for _ in range(REPLAYS):
+        refresh(x)
+        cache.zero_()
+        graph.replay()
+        replayed, written = out.clone(), cache.clone()
+        cache.zero_()
+        assert torch.equal(replayed, step())
+        assert torch.equal(written, cache)

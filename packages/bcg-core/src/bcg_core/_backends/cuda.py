@@ -7,6 +7,7 @@ streams were used. Pools and routing are in ``cuda_pool.py``, capture lanes in
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -27,6 +28,8 @@ from bcg_core._backends.cuda_pool import (
 from bcg_core._backends.cudart import RUNTIME
 from bcg_core._backends.seam import CaptureInfo, StreamObserver, pool_id
 from bcg_core._errors import CaptureError
+
+_STREAMS_KEPT = 256  # Stream objects kept per backend, by raw pointer (a process uses a few)
 
 
 class CudaSegment:
@@ -79,8 +82,22 @@ class CudaBackend:
     executes_at_capture = False
     refuses_compiles = True
 
+    def __init__(self) -> None:
+        # A runner asks for the current stream at every call: torch.cuda.current_stream builds
+        # a Stream object through several Python layers (~5 us on an H200 host), where the raw
+        # stream pointer is one C call; the Stream made for a pointer is kept (bounded).
+        self._streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
+        self._available = False  # True once seen: CUDA does not leave a process
+
     def is_available(self) -> bool:
-        return torch.cuda.is_available()
+        if self._available:
+            return True
+        available = torch.cuda.is_available()
+        if available:
+            with self._lock:
+                self._available = True
+        return available
 
     def prepare(self) -> None:
         if torch.cuda.is_available():
@@ -117,7 +134,21 @@ class CudaBackend:
         return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
     def current_stream(self, device: Any = None) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(device)
+        if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            return torch.cuda.current_stream(device)
+        if device is None or (isinstance(device, torch.device) and device.index is None):
+            index = torch._C._cuda_getDevice()
+        else:
+            index = device.index if isinstance(device, torch.device) else device_index(device)
+        key = (index, torch._C._cuda_getCurrentRawStream(index))
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = torch.cuda.current_stream(index)
+            with self._lock:
+                if len(self._streams) >= _STREAMS_KEPT:
+                    self._streams.clear()
+                self._streams[key] = stream
+        return stream
 
     def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
         return torch.cuda.stream(stream)

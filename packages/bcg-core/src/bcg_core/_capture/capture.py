@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from bcg_core._backends import CaptureStatus, GraphBackend, Segment
+from bcg_core._capture import owned
 from bcg_core._capture.aliases import alias_tree
 from bcg_core._capture.bridges import Bridge, contains_device_tensor, copy_into_pool
 from bcg_core._capture.compiles import as_capture_error, compiles_refused
@@ -181,12 +182,14 @@ class CaptureState:
         self.in_break = True
         self.tracker.begin_break()
         fresh: FreshTensorTracker | None = None
+        pooling = bool(self.backend.alias_device_types)
         try:
             # The break allocates outside the pool: its temporaries are not graph memory (a
-            # replay allocates them outside too). What its ops create is recorded (fresh.py):
-            # those outputs are copied into the pool below.
+            # replay allocates them outside too). The outputs nothing else holds are copied
+            # into the pool below (owned.py); where reference counts cannot tell, what its ops
+            # create is recorded instead (fresh.py), as it is for the debug report.
             with self.backend.not_pool_growth(self.pool, self.stream.device):
-                if self.backend.alias_device_types or self.debug is not DebugLevel.OFF:
+                if (pooling and not owned.counts_tell()) or self.debug is not DebugLevel.OFF:
                     fresh = FreshTensorTracker(self.backend.device_type)
                     with fresh:
                         output = (stub if stub is not None else fn)(*args, **kwargs)
@@ -195,6 +198,8 @@ class CaptureState:
         finally:
             side_streams = self.tracker.end_break()
             self.in_break = False
+        # Read first, while ``output`` is held by this local alone (owned.sole_owned).
+        made = owned.sole_owned(output, self.stream.device) if pooling else None
         for side in side_streams:
             self.stream.wait_stream(side)
         device = self.backend.device_type
@@ -208,13 +213,14 @@ class CaptureState:
             report_leaks(
                 name, fresh, output, (args, kwargs), strict=self.debug is DebugLevel.STRICT
             )
-        # The outputs its ops made are copied into the pool, so a bridge costs what a graph
+        # The outputs nothing else holds are copied into the pool, so a bridge costs what a graph
         # intermediate costs (DESIGN.md, "Who may reuse a bridge's memory"); they are held by
         # alias, and the code after the break gets the owning copies, which keep their blocks
         # allocated for as long as it holds them. Everything else is held strongly.
         in_pool = None
-        if fresh is not None and self.backend.alias_device_types:
+        if made is None and fresh is not None and pooling:
             made = fresh.made_on(self.stream.device)
+        if made is not None:
             with self.backend.allocate_to_pool(self.pool, self.stream.device) as routed:
                 if routed:
                     output, in_pool = copy_into_pool(output, made)

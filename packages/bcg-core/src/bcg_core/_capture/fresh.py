@@ -1,9 +1,10 @@
 """Which storages the ops of a block created: the tensors a break made at capture.
 
-A break runs at capture outside the graph's pool; an output whose storage one of its ops
-created is then copied into the pool, and the bridge holds the copy through a non-owning alias
-(``bridges.py``). The debug check uses the same record to name tensors a break
-made and kept without returning them (``debug.py``).
+The debug check uses this record to name tensors a break made and kept without returning them
+(``debug.py``). Where reference counts cannot tell which outputs nothing else holds
+(``owned.py``: a free-threaded interpreter, or one whose counts the probes do not confirm), a
+capture also uses it to choose the outputs copied into the pool: those whose storage one of the
+break's ops created. It costs about 9 us per op (a Python dispatch mode).
 
 Why a record of the ops, not the allocator's view: asking torch 2.11 for a pool's segments
 (``torch.cuda.memory_snapshot(pool)``) once per break handed back Python objects that were

@@ -26,7 +26,9 @@ Columns: ``us/step`` is wall time per generated token (first submission to last 
 by every request's output tokens), ``x eager`` and ``x full graph`` (against transformers'
 graphs) its ratios; ``capture ms`` is start-up (manager creation and warm-up, which captures
 the largest graph); ``pool MB`` is graph memory: ``memory_reserved()`` with every request done
-(collected, cache emptied), minus eager's; ``segments`` is the number of graphs captured. The
+(collected, cache emptied), minus that of the same engine without graphs (eager's; for ``bcg
+varlen``, eager varlen's: the varlen engine reserves a few hundred MB more than the paged one
+with no graph at all); ``segments`` is the number of graphs captured. The
 ``figures`` column adds output tokens/s, time to first token (median, p90, ms) and, for the
 graph contenders, ``pool MB counted``: the graphs' pool alone, counted the same way for both
 (what the allocator newly reserves while the graphs capture and warm up into their pool,
@@ -334,7 +336,6 @@ def _measurements(
         return run.seconds * 1e6 / sum(len(t) for t in run.tokens.values())
 
     eager = runs.get(EAGER, [None])[0]
-    eager_reserved = None if eager is None else eager.reserved
     out = []
     for name, done in runs.items():
         # bcg varlen is held to the engine eager with its kernel; everything else to eager.
@@ -349,9 +350,12 @@ def _measurements(
                 [per_token(a) / per_token(b) for a, b in zip(done, runs[base], strict=True)]
             )
 
+        # What graphs add over the same engine without them: bcg varlen against eager varlen.
+        base = reference if name == BCG_VARLEN and reference is not None else eager
+        base_reserved = None if base is None else base.reserved
         graph_mb = None
-        if cuda and last.reserved is not None and eager_reserved is not None:
-            graph_mb = max(0, last.reserved - eager_reserved) / 2**20
+        if cuda and last.reserved is not None and base_reserved is not None:
+            graph_mb = max(0, last.reserved - base_reserved) / 2**20
         # Padded rows move bf16 near-ties against unpadded eager; eager varlen pads the same.
         correct = None
         if reference is not None and (judged or name == BCG_VARLEN) and name != EAGER:

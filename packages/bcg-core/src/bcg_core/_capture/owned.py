@@ -1,0 +1,264 @@
+"""Which tensors of a break's capture-time output nothing but that output holds.
+
+At capture a break runs outside the graph's pool, and the tensors of its output that nobody
+else can reach are copied into the pool (``bridges.copy_into_pool``): the original is dropped,
+so no one can tell the copy from it, and the bridge costs what any graph intermediate costs.
+Everything else (an argument returned as it is, a buffer or cache of the break's own, a view
+of one, a tensor the break also stashed, one autograd saved) is held strongly, which is always
+right: the capture-time tensor stays the one the code after the break reads.
+
+"Nothing else holds it" is read from reference counts, right after the break returns:
+
+- each output tensor's Python object is referenced only by the output structure (as many
+  times as it occurs there) and by this module's walk;
+- its ``TensorImpl`` only by that Python object and by the output's own views of it;
+- its storage only by the output's tensors and by the dead bases of the output's views (a
+  ``permute`` of a temporary keeps the temporary's ``TensorImpl``, which nothing else holds).
+
+The counts these give differ between CPython and torch versions (borrowed references on the
+stack, PyObject preservation), so they are not written down: the first call measures them on
+probes of known ownership made the same way (:func:`_constants`) and checks the rule on probes
+that must pass and probes that must fail. Where a check fails, or on a free-threaded
+interpreter (whose counts other threads change), :func:`sole_owned` answers None and the
+capture records the break's ops instead (``fresh.py``, about 9 us per op in the dispatch mode:
+a third of a break's capture cost, which this check replaces with a few us per output).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bcg_core import _trees
+
+
+@dataclass(frozen=True)
+class _Counts:
+    """Reference counts of one output tensor, read by :func:`_observe`."""
+
+    refs: int  # sys.getrefcount of its Python object
+    impl: int  # its TensorImpl's use count
+    storage: int  # its storage's use count
+    base_refs: int | None  # the same two for its view base (None: not a view)
+    base_impl: int | None
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """The counts of a tensor nothing else holds, measured on probes (see :func:`_constants`)."""
+
+    bare: int  # refs of a bare tensor output
+    nested: int  # refs of a tensor occurring once in a container
+    per_occurrence: int  # refs added by each further occurrence
+    viewed: int  # refs added to a tensor that has views in the output
+    impl: int  # TensorImpl count of a tensor with no views
+    base_refs: int  # refs of a dead view base while the walk holds it
+    base_impl: int  # its TensorImpl count beyond its views in the output
+    storage: int  # storage count beyond the output's TensorImpls and dead bases
+
+
+# How many references a TensorImpl has (torch's own method, absent from its type stubs).
+_impl_count: Callable[[torch.Tensor], int] = torch.Tensor._use_count  # type: ignore[attr-defined]
+
+_RULE: list[_Rule | None] = []  # empty before the first call; [None] where the rule failed
+_RULE_LOCK = threading.Lock()
+
+
+def _observe(output: Any) -> list[tuple[torch.Tensor, _Counts]]:
+    """Every tensor of ``output`` (once per occurrence) with its counts."""
+    seen: list[tuple[torch.Tensor, _Counts]] = []
+    for t in _trees.tensor_leaves(output):
+        storage = t.untyped_storage()
+        base = t._base
+        seen.append(
+            (
+                t,
+                _Counts(
+                    sys.getrefcount(t),
+                    _impl_count(t),
+                    torch._C._storage_Use_Count(storage._cdata),
+                    None if base is None else sys.getrefcount(base),
+                    None if base is None else _impl_count(base),
+                ),
+            )
+        )
+        del storage, base
+    return seen
+
+
+def _counts_at(output: Any) -> list[tuple[torch.Tensor, _Counts]]:
+    # The shape of the call in sole_owned (a caller's local, one call, then _observe): the
+    # counts of a bare output include the caller's references.
+    return _observe(output)
+
+
+def _decide(output: Any, rule: _Rule) -> set[int]:
+    # sole_owned's body, in a call of the same shape (the probes' counts are read through it).
+    return _judge(_observe(output), isinstance(output, torch.Tensor), rule)
+
+
+def _counts_of(make: Callable[[], Any]) -> list[tuple[torch.Tensor, _Counts]]:
+    output = make()  # a local of the caller, as in record_break
+    return _counts_at(output)
+
+
+def _decided(make: Callable[[], Any], rule: _Rule) -> set[int]:
+    output = make()
+    return _decide(output, rule)
+
+
+def _judge(seen: list[tuple[torch.Tensor, _Counts]], bare: bool, rule: _Rule) -> set[int]:
+    """Storage pointers of ``seen`` that nothing but the output holds."""
+    occurrences: dict[int, int] = {}
+    first: dict[int, tuple[torch.Tensor, _Counts]] = {}
+    for t, c in seen:
+        occurrences[id(t)] = occurrences.get(id(t), 0) + 1
+        first.setdefault(id(t), (t, c))
+    groups: dict[int, list[tuple[torch.Tensor, _Counts]]] = {}
+    for t, c in first.values():
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            groups.setdefault(storage.data_ptr(), []).append((t, c))
+    return {ptr for ptr, group in groups.items() if _sole(group, occurrences, bare, rule)}
+
+
+def _sole(
+    group: list[tuple[torch.Tensor, _Counts]], occurrences: dict[int, int], bare: bool, rule: _Rule
+) -> bool:
+    """Whether the output's tensors on one storage (``group``) are all that hold it."""
+    members = {id(t) for t, _ in group}
+    views: dict[int, int] = {}  # id of a base -> how many of the group's tensors view it
+    dead = set()  # bases outside the group, held by the views alone (if the counts agree)
+    for t, _ in group:
+        base = t._base
+        if base is not None:
+            views[id(base)] = views.get(id(base), 0) + 1
+            if id(base) not in members:
+                dead.add(id(base))
+    for t, c in group:
+        n_views = views.get(id(t), 0)
+        refs = rule.bare if bare else rule.nested + rule.per_occurrence * (occurrences[id(t)] - 1)
+        if n_views:
+            refs += rule.viewed
+        if c.refs != refs or c.impl != rule.impl + n_views:
+            return False
+        if c.storage != len(group) + len(dead) + rule.storage:
+            return False
+        base = t._base
+        if (
+            base is not None
+            and id(base) in dead
+            and (c.base_refs != rule.base_refs or c.base_impl != rule.base_impl + views[id(base)])
+        ):
+            return False
+    return True
+
+
+def _measure() -> _Rule | None:
+    """The rule's counts from probes of known ownership, or None where the rule's own checks
+    fail on this interpreter and torch."""
+
+    def one() -> Any:
+        return (torch.empty(4),)
+
+    def twice() -> Any:
+        p = torch.empty(4)
+        return (p, p)
+
+    def viewed() -> Any:
+        p = torch.empty(4, 2)
+        return (p, p[1:])
+
+    def dead_base() -> Any:
+        return (torch.empty(4, 2).t(),)
+
+    def c(make: Callable[[], Any]) -> _Counts:
+        return _counts_of(make)[0][1]
+
+    bare = c(lambda: torch.empty(4))
+    nested = c(one)
+    base = c(dead_base)
+    if base.base_refs is None or base.base_impl is None:
+        return None
+    rule = _Rule(
+        bare=bare.refs,
+        nested=nested.refs,
+        per_occurrence=c(twice).refs - nested.refs,
+        viewed=c(viewed).refs - nested.refs,
+        impl=nested.impl,
+        base_refs=base.base_refs,
+        base_impl=base.base_impl - 1,
+        storage=nested.storage - 1,
+    )
+    kept: list[torch.Tensor] = []
+
+    def stashed() -> Any:  # the break keeps what it returns
+        p = torch.empty(4)
+        kept.append(p)
+        return (p,)
+
+    def view_kept() -> Any:  # a view of it lives elsewhere
+        p = torch.empty(4)
+        kept.append(p[1:])
+        return (p,)
+
+    def base_kept() -> Any:  # the base of the returned view lives elsewhere
+        p = torch.empty(4, 2)
+        kept.append(p)
+        return (p.t(),)
+
+    def two_views() -> Any:
+        p = torch.empty(4, 2)
+        return (p[1:], p[:2], p.t())
+
+    def many() -> Any:
+        p = torch.empty(4, 2)
+        return {"a": [p, p[1:]], "b": (p.t(), torch.empty(3)), "c": p}
+
+    must_pass = (lambda: torch.empty(4), one, twice, viewed, dead_base, two_views, many)
+    must_fail = (stashed, view_kept, base_kept, lambda: kept[0], lambda: (kept[0],))
+    for make in must_pass:
+        want = {t.untyped_storage().data_ptr() for t in _trees.tensor_leaves(make())}
+        got = _decided(make, rule)
+        if len(got) != len(want):  # fresh probes: compare how many, not which addresses
+            return None
+    if any(_decided(make, rule) for make in must_fail):
+        return None
+    return rule
+
+
+def _rule() -> _Rule | None:
+    if _RULE:
+        return _RULE[0]
+    with _RULE_LOCK:
+        if not _RULE:
+            gil = getattr(sys, "_is_gil_enabled", lambda: True)()
+            with torch.no_grad():
+                _RULE.append(_measure() if gil else None)
+        return _RULE[0]
+
+
+def counts_tell() -> bool:
+    """Whether :func:`sole_owned` answers on this interpreter and torch (measured once)."""
+    return _rule() is not None
+
+
+def sole_owned(output: Any, device: torch.device) -> Callable[[torch.Tensor], bool] | None:
+    """A test for "this tensor of ``output`` is on ``device`` and nothing else holds its
+    storage", fixed now; None where reference counts cannot tell on this interpreter (the
+    caller then records the break's ops instead). Call it with ``output`` held in one local
+    variable of the caller and nowhere else."""
+    rule = _rule()
+    if rule is None:
+        return None
+    sole = _judge(_observe(output), isinstance(output, torch.Tensor), rule)  # as _decide does
+
+    def owned(t: torch.Tensor) -> bool:
+        return t.device == device and t.untyped_storage().data_ptr() in sole
+
+    return owned
