@@ -238,9 +238,24 @@ def _rule() -> _Rule | None:
     with _RULE_LOCK:
         if not _RULE:
             gil = getattr(sys, "_is_gil_enabled", lambda: True)()
-            with torch.no_grad():
-                _RULE.append(_measure() if gil else None)
+            _RULE.append(_measured_apart() if gil else None)
         return _RULE[0]
+
+
+def _measured_apart() -> _Rule | None:
+    """:func:`_measure` on a new thread: the first call may come inside dispatch or function
+    modes (a CPU capture's recorder, an integration's), grad or inference mode, all of them
+    per thread, and a mode that keeps the probes' tensors would shift every count."""
+    result: list[_Rule | None] = []
+
+    def run() -> None:
+        with torch.no_grad():
+            result.append(_measure())
+
+    thread = threading.Thread(target=run, name="bcg-owned-probes")
+    thread.start()
+    thread.join()
+    return result[0] if result else None
 
 
 def counts_tell() -> bool:
