@@ -62,8 +62,19 @@ class _Rule:
     storage: int  # storage count beyond the output's TensorImpls and dead bases
 
 
-# How many references a TensorImpl has (torch's own method, absent from its type stubs).
-_impl_count: Callable[[torch.Tensor], int] = torch.Tensor._use_count  # type: ignore[attr-defined]
+# How many references a TensorImpl and a storage have (torch's own, absent from its stubs).
+_IMPL_COUNT: Callable[[torch.Tensor], int] | None = getattr(torch.Tensor, "_use_count", None)
+_STORAGE_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _impl_count(t: torch.Tensor) -> int:
+    assert _IMPL_COUNT is not None  # _rule() is None without it
+    return _IMPL_COUNT(t)
+
+
+def _storage_count(storage: torch.UntypedStorage) -> int:
+    assert _STORAGE_COUNT is not None
+    return _STORAGE_COUNT(storage._cdata)
 
 _RULE: list[_Rule | None] = []  # empty before the first call; [None] where the rule failed
 _RULE_LOCK = threading.Lock()
@@ -81,7 +92,7 @@ def _observe(output: Any) -> list[tuple[torch.Tensor, _Counts]]:
                 _Counts(
                     sys.getrefcount(t),
                     _impl_count(t),
-                    torch._C._storage_Use_Count(storage._cdata),
+                    _storage_count(storage),
                     None if base is None else sys.getrefcount(base),
                     None if base is None else _impl_count(base),
                 ),
@@ -238,7 +249,8 @@ def _rule() -> _Rule | None:
     with _RULE_LOCK:
         if not _RULE:
             gil = getattr(sys, "_is_gil_enabled", lambda: True)()
-            _RULE.append(_measured_apart() if gil else None)
+            counted = _IMPL_COUNT is not None and _STORAGE_COUNT is not None
+            _RULE.append(_measured_apart() if gil and counted else None)
         return _RULE[0]
 
 
