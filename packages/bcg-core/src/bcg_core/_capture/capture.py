@@ -198,8 +198,13 @@ class CaptureState:
         finally:
             side_streams = self.tracker.end_break()
             self.in_break = False
-        # Read first, while ``output`` is held by this local alone (owned.sole_owned).
-        made = owned.sole_owned(output, self.stream.device) if pooling else None
+        made = None
+        if pooling:  # read first, with the output held by the box alone (owned.sole_owned)
+            box = [output]
+            del output
+            made = owned.sole_owned(box, self.stream.device)
+            (output,) = box
+            del box
         for side in side_streams:
             self.stream.wait_stream(side)
         device = self.backend.device_type

@@ -7,7 +7,10 @@ Everything else (an argument returned as it is, a buffer or cache of the break's
 of one, a tensor the break also stashed, one autograd saved) is held strongly, which is always
 right: the capture-time tensor stays the one the code after the break reads.
 
-"Nothing else holds it" is read from reference counts, right after the break returns:
+"Nothing else holds it" is read from reference counts, right after the break returns, with the
+output in a one-item list the capture hands over (no frame holds it: how many references a call
+chain keeps depends on whether the interpreter inlines Python calls, which it stops doing once
+torch.compile installs its frame evaluation hook):
 
 - each output tensor's Python object is referenced only by the output structure (as many
   times as it occurs there) and by this module's walk;
@@ -52,8 +55,7 @@ class _Counts:
 class _Rule:
     """The counts of a tensor nothing else holds, measured on probes (see :func:`_constants`)."""
 
-    bare: int  # refs of a bare tensor output
-    nested: int  # refs of a tensor occurring once in a container
+    nested: int  # refs of a tensor occurring once in the output (or as the output, boxed)
     per_occurrence: int  # refs added by each further occurrence
     viewed: int  # refs added to a tensor that has views in the output
     impl: int  # TensorImpl count of a tensor with no views
@@ -75,6 +77,7 @@ def _impl_count(t: torch.Tensor) -> int:
 def _storage_count(storage: torch.UntypedStorage) -> int:
     assert _STORAGE_COUNT is not None
     return _STORAGE_COUNT(storage._cdata)
+
 
 _RULE: list[_Rule | None] = []  # empty before the first call; [None] where the rule failed
 _RULE_LOCK = threading.Lock()
@@ -102,28 +105,15 @@ def _observe(output: Any) -> list[tuple[torch.Tensor, _Counts]]:
     return seen
 
 
-def _counts_at(output: Any) -> list[tuple[torch.Tensor, _Counts]]:
-    # The shape of the call in sole_owned (a caller's local, one call, then _observe): the
-    # counts of a bare output include the caller's references.
-    return _observe(output)
-
-
-def _decide(output: Any, rule: _Rule) -> set[int]:
-    # sole_owned's body, in a call of the same shape (the probes' counts are read through it).
-    return _judge(_observe(output), isinstance(output, torch.Tensor), rule)
-
-
 def _counts_of(make: Callable[[], Any]) -> list[tuple[torch.Tensor, _Counts]]:
-    output = make()  # a local of the caller, as in record_break
-    return _counts_at(output)
+    return _observe([make()])  # boxed, as sole_owned's caller does
 
 
 def _decided(make: Callable[[], Any], rule: _Rule) -> set[int]:
-    output = make()
-    return _decide(output, rule)
+    return _judge(_observe([make()]), rule)
 
 
-def _judge(seen: list[tuple[torch.Tensor, _Counts]], bare: bool, rule: _Rule) -> set[int]:
+def _judge(seen: list[tuple[torch.Tensor, _Counts]], rule: _Rule) -> set[int]:
     """Storage pointers of ``seen`` that nothing but the output holds."""
     occurrences: dict[int, int] = {}
     first: dict[int, tuple[torch.Tensor, _Counts]] = {}
@@ -135,11 +125,11 @@ def _judge(seen: list[tuple[torch.Tensor, _Counts]], bare: bool, rule: _Rule) ->
         storage = t.untyped_storage()
         if storage.nbytes():
             groups.setdefault(storage.data_ptr(), []).append((t, c))
-    return {ptr for ptr, group in groups.items() if _sole(group, occurrences, bare, rule)}
+    return {ptr for ptr, group in groups.items() if _sole(group, occurrences, rule)}
 
 
 def _sole(
-    group: list[tuple[torch.Tensor, _Counts]], occurrences: dict[int, int], bare: bool, rule: _Rule
+    group: list[tuple[torch.Tensor, _Counts]], occurrences: dict[int, int], rule: _Rule
 ) -> bool:
     """Whether the output's tensors on one storage (``group``) are all that hold it."""
     members = {id(t) for t, _ in group}
@@ -153,7 +143,7 @@ def _sole(
                 dead.add(id(base))
     for t, c in group:
         n_views = views.get(id(t), 0)
-        refs = rule.bare if bare else rule.nested + rule.per_occurrence * (occurrences[id(t)] - 1)
+        refs = rule.nested + rule.per_occurrence * (occurrences[id(t)] - 1)
         if n_views:
             refs += rule.viewed
         if c.refs != refs or c.impl != rule.impl + n_views:
@@ -191,13 +181,11 @@ def _measure() -> _Rule | None:
     def c(make: Callable[[], Any]) -> _Counts:
         return _counts_of(make)[0][1]
 
-    bare = c(lambda: torch.empty(4))
     nested = c(one)
     base = c(dead_base)
     if base.base_refs is None or base.base_impl is None:
         return None
     rule = _Rule(
-        bare=bare.refs,
         nested=nested.refs,
         per_occurrence=c(twice).refs - nested.refs,
         viewed=c(viewed).refs - nested.refs,
@@ -275,15 +263,19 @@ def counts_tell() -> bool:
     return _rule() is not None
 
 
-def sole_owned(output: Any, device: torch.device) -> Callable[[torch.Tensor], bool] | None:
-    """A test for "this tensor of ``output`` is on ``device`` and nothing else holds its
-    storage", fixed now; None where reference counts cannot tell on this interpreter (the
-    caller then records the break's ops instead). Call it with ``output`` held in one local
-    variable of the caller and nowhere else."""
+def sole_owned(box: list[Any], device: torch.device) -> Callable[[torch.Tensor], bool] | None:
+    """A test for "this tensor of the output in ``box`` is on ``device`` and nothing else holds
+    its storage", fixed now; None where reference counts cannot tell on this interpreter (the
+    caller then records the break's ops instead).
+
+    ``box`` is a one-item list holding the output, and the caller holds the output nowhere
+    else (no local variable): a reference from a frame would be counted, and how many a call
+    chain holds depends on whether the interpreter inlines Python calls (it stops doing so
+    once torch.compile installs its frame evaluation hook)."""
     rule = _rule()
     if rule is None:
         return None
-    sole = _judge(_observe(output), isinstance(output, torch.Tensor), rule)  # as _decide does
+    sole = _judge(_observe(box), rule)
 
     def owned(t: torch.Tensor) -> bool:
         return t.device == device and t.untyped_storage().data_ptr() in sole
