@@ -11,6 +11,8 @@ passed each call, so the runner copies them) and ``flux`` (the ``flux`` bench mo
 ``DiTRunner``, no call arguments; skipped without diffusers). Variants, on one graph each:
 
 - ``hand``: ``graph.replay()`` (plus ``copy_`` of the call's inputs into the static buffers);
+- ``hand (runner's graph)``: ``replay()`` of the graph the ``runner_views`` runner captured
+  (its inputs already in place): what the graph itself costs apart from the runner's calls;
 - ``hand+protocol``: the same inside what the runner adds on the device and around the replay:
   an event wait before, the runtime flag on, an event record after (clone where it clones);
 - ``runner_views``: the runner with ``return_views=True``;
@@ -66,6 +68,7 @@ from bcg_core.bench import (
 from bcg_core.bench._scale_workload import scale_config  # noqa: PLC2701
 
 TARGET_US = 25.0
+RUNNER_GRAPH = "hand (runner's graph)"
 MODES = ("sync", "pipelined", "host")
 WORKLOADS = ("hf-llama", "decoder-8b", "flux")
 
@@ -210,8 +213,15 @@ def _variants(case: Case, device: torch.device) -> dict[str, Callable[[], object
     with torch.no_grad():
         views.capture(*case.args)
         cloning.capture(*case.args)
+    (entry,) = views._entries.values()  # the runner's own graph, replayed by hand
+
+    def runner_graph() -> torch.Tensor:
+        entry.graph.replay()
+        return entry.output  # type: ignore[no-any-return]
+
     variants: dict[str, Callable[[], object]] = {
         "hand": hand,
+        RUNNER_GRAPH: runner_graph,
         "hand+protocol": hand_protocol(False),
         "runner_views": lambda: views(*case.args),
         "hand+protocol+clone": hand_protocol(True),
@@ -354,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         report[name] = result
         ok = ok and result["same_output"]
         line = ", ".join(
-            f"{mode}: hand {result[mode]['us_per_call']['hand']['median']:.1f} us, runner "
+            f"{mode}: hand {result[mode]['us_per_call']['hand']['median']:.1f} us, its graph "
+            f"+{result[mode]['overhead_us'][RUNNER_GRAPH]['median']:.1f}, runner "
             f"+{result[mode]['overhead_us']['runner']['median']:.1f}, views "
             f"+{result[mode]['overhead_us']['runner_views']['median']:.1f}, protocol "
             f"+{result[mode]['overhead_us']['hand+protocol']['median']:.1f}"
