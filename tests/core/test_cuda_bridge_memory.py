@@ -223,7 +223,7 @@ def test_output_outside_the_pool_is_held_strongly(stream: torch.cuda.Stream) -> 
     @eager_on_graph(name="premade")
     def take(t: torch.Tensor) -> torch.Tensor:
         if premade:
-            out = premade.pop()
+            out = premade[0]  # still held by the list: not the output's alone, so not pooled
             probe.append(weakref.ref(out))
             return torch.add(t * 2, 1, out=out)
         return t * 2 + 1
@@ -232,6 +232,7 @@ def test_output_outside_the_pool_is_held_strongly(stream: torch.cuda.Stream) -> 
     graph = BreakableCUDAGraph()
     with BreakableCUDAGraphCapture(graph, stream=stream):
         out = take(x.sin()).cos()
+    premade.clear()  # now only the graph can keep it
     gc.collect()
     assert probe[0]() is not None, "a bridge outside the pool must be held by the graph"
     for _ in range(REPLAYS):

@@ -12,8 +12,18 @@ TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS = frozenset({"", "0", "false", "no", "off"})
 
 
+# os.environ's own store (bytes keys on POSIX), kept in step by os.environ's setters: an unset
+# variable is told in ~0.1 us instead of ~1.3 us through the Mapping methods, which matters
+# for BCG_DISABLE, read at every runner call.
+_POSIX_STORE: dict[bytes, bytes] | None = (
+    getattr(os.environ, "_data", None) if os.name == "posix" else None
+)
+
+
 def env_word(name: str) -> str:
     """The variable's value stripped and lower-cased ("" when unset)."""
+    if _POSIX_STORE is not None and name.encode() not in _POSIX_STORE:
+        return ""
     return os.environ.get(name, "").strip().lower()
 
 

@@ -52,15 +52,19 @@ class Entry:
     warmup_ms: float = 0.0
     _copy: tuple[int, ...] = field(init=False)
     _copy_dst: list[torch.Tensor] = field(init=False)
+    _inputs: bool = field(init=False)
     clone: Callable[[], Any] = field(init=False)
 
     def __post_init__(self) -> None:
         self._copy = tuple(i for i in range(len(self.statics)) if i not in self.fill)
         self._copy_dst = [self.statics[i] for i in self._copy]
+        self._inputs = bool(self.statics or self.scalars)
         self.clone = _cloner(self.output)
 
     def load(self, live: list[torch.Tensor], values: list[bool | int | float]) -> None:
         """Write one call's inputs into the static buffers."""
+        if not self._inputs:  # a step without tensor or number arguments
+            return
         statics = self.statics
         copy_unless_same(self._copy_dst, [live[i] for i in self._copy])
         for i in self.fill:
