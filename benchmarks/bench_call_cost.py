@@ -13,6 +13,7 @@ passed each call, so the runner copies them) and ``flux`` (the ``flux`` bench mo
 - ``hand``: ``graph.replay()`` (plus ``copy_`` of the call's inputs into the static buffers);
 - ``hand (runner's graph)``: ``replay()`` of the graph the ``runner_views`` runner captured
   (its inputs already in place): what the graph itself costs apart from the runner's calls;
+- ``hand+flag``: ``hand`` with the runtime flag on (as the runner replays);
 - ``hand+protocol``: the same inside what the runner adds on the device and around the replay:
   an event wait before, the runtime flag on, an event record after (clone where it clones);
 - ``runner_views``: the runner with ``return_views=True``;
@@ -219,9 +220,16 @@ def _variants(case: Case, device: torch.device) -> dict[str, Callable[[], object
         entry.graph.replay()
         return entry.output  # type: ignore[no-any-return]
 
+    def hand_flag() -> torch.Tensor:
+        with enable_breakable_cuda_graph():
+            load()
+            graph.replay()
+        return out
+
     variants: dict[str, Callable[[], object]] = {
         "hand": hand,
         RUNNER_GRAPH: runner_graph,
+        "hand+flag": hand_flag,
         "hand+protocol": hand_protocol(False),
         "runner_views": lambda: views(*case.args),
         "hand+protocol+clone": hand_protocol(True),

@@ -25,10 +25,12 @@ manager, twice, interleaved.
 Columns: ``us/step`` is wall time per generated token (first submission to last finish, divided
 by every request's output tokens), ``x eager`` and ``x full graph`` (against transformers'
 graphs) its ratios; ``capture ms`` is start-up (manager creation and warm-up, which captures
-the largest graph); ``pool MB`` is graph memory: ``memory_reserved()`` with every request done
-(collected, cache emptied), minus that of the same engine without graphs (eager's; for ``bcg
-varlen``, eager varlen's: the varlen engine reserves a few hundred MB more than the paged one
-with no graph at all); ``segments`` is the number of graphs captured. The
+the largest graph); ``pool MB`` is graph memory: what the engine holds (``memory_reserved()``
+with every request done, minus the same once the engine and its graphs are gone, both
+collected and the cache emptied: what earlier runs left reserved in the process cancels out)
+minus what the same engine holds without graphs (eager's; for ``bcg varlen``, eager varlen's:
+the varlen engine holds a few hundred MB more than the paged one with no graph at all;
+``engine held MB`` in the figures); ``segments`` is the number of graphs captured. The
 ``figures`` column adds output tokens/s, time to first token (median, p90, ms) and, for the
 graph contenders, ``pool MB counted``: the graphs' pool alone, counted the same way for both
 (what the allocator newly reserves while the graphs capture and warm up into their pool,
@@ -81,7 +83,7 @@ class _Run:
     seconds: float
     ttft_ms: list[float]
     startup_ms: float
-    reserved: int | None
+    held: int | None  # reserved with the engine alive minus after it is gone (both collected)
     graphs: int | None
     pool_bytes: int | None = None  # bcg's own count of its pool (ContinuousBatchingStats)
 
@@ -248,12 +250,14 @@ def _serve_once(
     finally:
         if handle is not None:
             handle.remove()
+    del manager
+    held = None if reserved is None else reserved - _reserved()
     return _Run(
         tokens={i: list(r.generated_tokens) for i, r in results.items()},
         seconds=seconds,
         ttft_ms=[(r.timestamps[0] - submitted) * 1e3 for r in results.values() if r.timestamps],
         startup_ms=startup_ms,
-        reserved=reserved,
+        held=held,
         graphs=graphs,
         pool_bytes=pool_bytes,
     )
@@ -352,10 +356,10 @@ def _measurements(
 
         # What graphs add over the same engine without them: bcg varlen against eager varlen.
         base = reference if name == BCG_VARLEN and reference is not None else eager
-        base_reserved = None if base is None else base.reserved
+        base_held = None if base is None else base.held
         graph_mb = None
-        if cuda and last.reserved is not None and base_reserved is not None:
-            graph_mb = max(0, last.reserved - base_reserved) / 2**20
+        if cuda and last.held is not None and base_held is not None:
+            graph_mb = max(0, last.held - base_held) / 2**20
         # Padded rows move bf16 near-ties against unpadded eager; eager varlen pads the same.
         correct = None
         if reference is not None and (judged or name == BCG_VARLEN) and name != EAGER:
@@ -366,6 +370,8 @@ def _measurements(
             "ttft median ms": statistics.median(last.ttft_ms),
             "ttft p90 ms": _p90(last.ttft_ms),
         }
+        if last.held is not None:
+            figures["engine held MB"] = last.held / 2**20
         if last.pool_bytes is not None:  # the pool alone (no allocator noise), both counted alike
             figures["pool MB counted"] = last.pool_bytes / 2**20
         if eager is not None and name != EAGER:
