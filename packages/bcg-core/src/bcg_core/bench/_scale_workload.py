@@ -19,6 +19,12 @@ per size right before its capture, all into one pool, by each contender:
   routed into the pool, then the capture);
 - ``breakable-cuda-graphs``: the peer package when installed (its API takes no pool).
 
+Each contender starts up :data:`ROUNDS` times (at most ``--repeats``; once with ``--smoke``),
+the contenders interleaved round by round: a start-up is one sample of seconds on a shared host
+that moved single runs by a tenth. Times are medians over the rounds and ratios are taken per
+round against plain graphs' same round (median, min and max); memory figures are the last
+round's (they repeat to the MB).
+
 Rows per contender (``x full graph`` is the ratio to plain graphs):
 
 - ``start-up``: ``us/step`` is the whole start-up (warm-ups, captures) in us, ``capture ms``
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -70,6 +77,7 @@ SIZES = (*range(256, 7, -8), 4, 2, 1)
 CHECKED = (1, 64, 256)
 SMOKE_SIZES = (2, 1)
 WARMUPS = 2
+ROUNDS = 3  # start-ups per contender, interleaved (at most --repeats)
 RUNNER = "runner"
 RECORD_ONLY = "bcg-record-only"
 SIDE_STREAM = "bcg-side-stream"
@@ -143,25 +151,36 @@ def capture_scale_workload(ctx: BenchContext) -> list[Measurement]:
             if peer is not None and cuda
             else peer_unavailable(peer)
         )
-        results: dict[str, tuple[_StartUp, dict[str, float], bool] | str] = {}
-        for name in CONTENDERS:
-            make = makers[name]
-            if name in ctx.skip:
-                results[name] = "excluded by --skip"
-            elif isinstance(make, str):
-                results[name] = make
-            else:
-                ctx.progress(f"{WORKLOAD}: {name}")
-                try:
-                    results[name] = _measured(ctx, make, expected)
-                except Exception as exc:
-                    results[name] = f"failed: {type(exc).__name__}: {exc}"[:160]
+        results: dict[str, list[_Measured] | str] = {}
+        rounds = 1 if ctx.smoke else max(1, min(ctx.repeats, ROUNDS))
+        for r in range(rounds):  # interleaved: a slow stretch of the host hits every contender
+            for name in CONTENDERS:
+                make = makers[name]
+                if isinstance(results.get(name), str):
+                    continue
+                if name in ctx.skip:
+                    results[name] = "excluded by --skip"
+                elif isinstance(make, str):
+                    results[name] = make
+                else:
+                    ctx.progress(f"{WORKLOAD}: {name} (round {r + 1}/{rounds})")
+                    try:
+                        measured = _measured(ctx, make, expected)
+                    except Exception as exc:
+                        results[name] = f"failed: {type(exc).__name__}: {exc}"[:160]
+                    else:
+                        done = results.setdefault(name, [])
+                        assert not isinstance(done, str)
+                        done.append(measured)
     return _rows(case, results, once)
+
+
+_Measured = tuple["_StartUp", dict[str, float], bool]
 
 
 def _measured(
     ctx: BenchContext, make: Callable[[], _StartUp], expected: dict[int, torch.Tensor]
-) -> tuple[_StartUp, dict[str, float], bool]:
+) -> _Measured:
     """Run one start-up between memory readings; check its replays; drop its graphs."""
     cuda = ctx.device.type == "cuda"
     memory: dict[str, float] = {}
@@ -195,45 +214,54 @@ def _measured(
 
 def _rows(
     case: str,
-    results: dict[str, tuple[_StartUp, dict[str, float], bool] | str],
+    results: dict[str, list[_Measured] | str],
     once: dict[str, float],
 ) -> list[Measurement]:
     base = results.get(FULL_GRAPH)
     plain = base if not isinstance(base, str) else None
 
-    def ratio(value: float | None, of: float | None) -> Stats | None:
-        return None if value is None or not of else Stats.of([value / of])
+    def ratio(values: list[float], of: list[float] | None) -> Stats | None:
+        """Per round against plain graphs' same round (their median, min and max)."""
+        if of is None or len(of) != len(values) or not all(of):
+            return None
+        return Stats.of([v / o for v, o in zip(values, of, strict=True)])
 
     out: list[Measurement] = []
     for name, result in results.items():
         if isinstance(result, str):
             out.append(Measurement(WORKLOAD, f"start-up: {case}", name, None, skipped=result))
             continue
-        run, memory, correct = result
+        run, memory, _ = result[-1]  # memory figures: the last round (they repeat exactly)
+        totals = [r[0].total_s for r in result]
+        blocks = [r[0].blocks_s for r in result]
+        correct = all(r[2] for r in result)
         pool_mb = None if run.pool_bytes is None else run.pool_bytes / MB
         details: dict[str, Any] = {
-            "startup_s": run.total_s,
-            "capture_blocks_s": run.blocks_s,
+            "startup_s": statistics.median(totals),
+            "capture_blocks_s": statistics.median(blocks),
+            "startup_s_per_round": totals,
+            "capture_blocks_s_per_round": blocks,
             "warmups": WARMUPS,
             **{f"{k}_mb": v / MB for k, v in memory.items()},
             **run.parts,
         }
         if name == FULL_GRAPH:
             details.update(once)
-        p_run, p_mem = (plain[0], plain[1]) if plain is not None else (None, {})
+        p_totals = [r[0].total_s for r in plain] if plain is not None else None
+        p_blocks = [r[0].blocks_s for r in plain] if plain is not None else None
+        p_mem = plain[-1][1] if plain is not None else {}
         out.append(
             Measurement(
-                WORKLOAD, f"start-up: {case}", name, Stats.of([run.total_s * 1e6]),
-                capture_ms=run.blocks_s * 1e3, pool_mb=pool_mb, segments=run.segments,
-                correct=correct,
-                ratio_to_full_graph=ratio(run.total_s, p_run.total_s if p_run else None),
-                details=details,
+                WORKLOAD, f"start-up: {case}", name, Stats.of([t * 1e6 for t in totals]),
+                capture_ms=statistics.median(blocks) * 1e3, pool_mb=pool_mb,
+                segments=run.segments, correct=correct,
+                ratio_to_full_graph=ratio(totals, p_totals), details=details,
             )
         )  # fmt: skip
         out.append(
             Measurement(
-                WORKLOAD, "capture blocks", name, Stats.of([run.blocks_s * 1e6]),
-                ratio_to_full_graph=ratio(run.blocks_s, p_run.blocks_s if p_run else None),
+                WORKLOAD, "capture blocks", name, Stats.of([b * 1e6 for b in blocks]),
+                ratio_to_full_graph=ratio(blocks, p_blocks),
             )
         )  # fmt: skip
         for key, label in (
@@ -245,7 +273,8 @@ def _rows(
                 out.append(
                     Measurement(
                         WORKLOAD, label, name, None, pool_mb=memory[key] / MB,
-                        ratio_to_full_graph=ratio(memory[key], p_mem.get(key)),
+                        ratio_to_full_graph=ratio([memory[key]], [p_mem[key]])
+                        if p_mem.get(key) else None,
                     )
                 )  # fmt: skip
     return out
