@@ -108,6 +108,9 @@ class _StartUp:
     keep: list[Any] = field(default_factory=list)
 
 
+_Measured = tuple[_StartUp, dict[str, float], bool]  # one start-up: figures, memory, correct
+
+
 def capture_scale_workload(ctx: BenchContext) -> list[Measurement]:
     """Start-up of 35 batch sizes of an 8B-dims decoder per contender; see the module text."""
     cuda = ctx.device.type == "cuda"
@@ -151,31 +154,23 @@ def capture_scale_workload(ctx: BenchContext) -> list[Measurement]:
             if peer is not None and cuda
             else peer_unavailable(peer)
         )
-        results: dict[str, list[_Measured] | str] = {}
+        results: dict[str, list[_Measured] | str] = {}  # start-ups, or why there are none
+        for name in CONTENDERS:
+            make = makers[name]
+            skipped = "excluded by --skip" if name in ctx.skip else make
+            results[name] = skipped if isinstance(skipped, str) else []
         rounds = 1 if ctx.smoke else max(1, min(ctx.repeats, ROUNDS))
         for r in range(rounds):  # interleaved: a slow stretch of the host hits every contender
             for name in CONTENDERS:
-                make = makers[name]
-                if isinstance(results.get(name), str):
-                    continue
-                if name in ctx.skip:
-                    results[name] = "excluded by --skip"
-                elif isinstance(make, str):
-                    results[name] = make
-                else:
-                    ctx.progress(f"{WORKLOAD}: {name} (round {r + 1}/{rounds})")
-                    try:
-                        measured = _measured(ctx, make, expected)
-                    except Exception as exc:
-                        results[name] = f"failed: {type(exc).__name__}: {exc}"[:160]
-                    else:
-                        done = results.setdefault(name, [])
-                        assert not isinstance(done, str)
-                        done.append(measured)
+                done, make = results[name], makers[name]
+                if isinstance(done, str) or isinstance(make, str):
+                    continue  # skipped, unavailable, or failed in an earlier round
+                ctx.progress(f"{WORKLOAD}: {name} (round {r + 1}/{rounds})")
+                try:
+                    done.append(_measured(ctx, make, expected))
+                except Exception as exc:
+                    results[name] = f"failed: {type(exc).__name__}: {exc}"[:160]
     return _rows(case, results, once)
-
-
-_Measured = tuple["_StartUp", dict[str, float], bool]
 
 
 def _measured(
@@ -273,8 +268,9 @@ def _rows(
                 out.append(
                     Measurement(
                         WORKLOAD, label, name, None, pool_mb=memory[key] / MB,
-                        ratio_to_full_graph=ratio([memory[key]], [p_mem[key]])
-                        if p_mem.get(key) else None,
+                        ratio_to_full_graph=ratio(
+                            [memory[key]], [p_mem[key]] if key in p_mem else None
+                        ),
                     )
                 )  # fmt: skip
     return out
