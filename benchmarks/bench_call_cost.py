@@ -2,7 +2,8 @@
 
 ``python3 benchmarks/bench_call_cost.py --out DIR`` (both packages' ``src`` on ``PYTHONPATH``)
 (``--workloads hf-llama,decoder-8b,flux``; ``--smoke`` for tiny models, also on CPU;
-``--profile`` adds ``DIR/profile-call-<workload>.txt``, cProfile of 200 runner calls)
+``--profile`` adds ``DIR/profile-call-<workload>.txt``, cProfile of 200 runner calls and of
+200 hand replays)
 
 Workloads (bf16 on CUDA, random weights): ``hf-llama`` (the ``hf-llama`` bench model, batch 1,
 a decode step over a StaticCache rewound each step, no call arguments), ``decoder-8b`` (the toy
@@ -319,15 +320,17 @@ def bench_case(
                     if k != "hand"
                 },
             }
-        if profile is not None:  # where the runner's host time goes, device idle at each call
-            profiler = cProfile.Profile()
-            for _ in range(200):
-                _sync(device)
-                profiler.enable()
-                timed["runner"]()
-                profiler.disable()
+        if profile is not None:  # where the host time goes, device idle at each call
             text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+            for variant in ("runner", "hand"):
+                profiler = cProfile.Profile()
+                for _ in range(200):
+                    _sync(device)
+                    profiler.enable()
+                    timed[variant]()
+                    profiler.disable()
+                text.write(f"=== {variant}: 200 calls, the device idle at each call's start\n")
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
             profile.write_text(text.getvalue())
     result["same_output"] = same
     result["meets_target"] = all(

@@ -136,10 +136,7 @@ class CudaBackend:
     def current_stream(self, device: Any = None) -> torch.cuda.Stream:
         if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             return torch.cuda.current_stream(device)
-        if device is None or (isinstance(device, torch.device) and device.index is None):
-            index = torch._C._cuda_getDevice()
-        else:
-            index = device.index if isinstance(device, torch.device) else device_index(device)
+        index = torch._C._cuda_getDevice() if device is None else device_index(device)
         key = (index, torch._C._cuda_getCurrentRawStream(index))
         stream = self._streams.get(key)
         if stream is None:

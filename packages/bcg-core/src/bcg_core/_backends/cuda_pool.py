@@ -78,7 +78,11 @@ class CudaPool:
 def device_index(device: Any) -> int:
     """The CUDA device index ``device`` names (an index, a string, a ``torch.device``), the
     current device when it names none."""
-    index = torch.device(device).index
+    # Per-break and per-call path: an int or a torch.device is read directly (building a
+    # torch.device and asking torch.cuda for the current device cost several us).
+    if isinstance(device, int):
+        return device
+    index = device.index if isinstance(device, torch.device) else torch.device(device).index
     return torch.cuda.current_device() if index is None else index
 
 
