@@ -1,7 +1,8 @@
 # ruff: noqa: PLC2701  (a probe builds the bench's own model and step)
 """GPU probe for issue 20: where a break's device time goes between compiled segments.
 
-``python3 benchmarks/probe_break_gap.py`` (sources on PYTHONPATH, CUDA only). Two parts:
+``python3 benchmarks/probe_break_gap.py [synthetic] [profile] [host]`` (sources on PYTHONPATH,
+CUDA only; all three parts by default):
 
 1. Synthetic, plain torch: 16 "layers" of small bf16 GEMVs around an sdpa decode kernel, the
    device time per step (the host queued far ahead behind a sleep kernel, so only the device
@@ -12,13 +13,18 @@
 2. The ``hf-llama`` bench step compiled (batch 1): ``compiled_graph`` and ``bcg+compile``
    (the runner over the compiled step) profiled with torch.profiler, per step: kernels, their
    busy time, the span, the idle time, and the kernel names that differ in count.
+3. ``host``: at batch 1 and 8, each contender's device time with only 8 steps queued (so the
+   launch queue never fills and blocks the host) beside its host time, and the host cost of a
+   segment launch, a break's function, its bridge update and the kernel op its sdpa ends in.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -268,16 +274,109 @@ def compiled_llama() -> None:
         print(f"  bcg+compile again, memcpy copies: device {device_us:8.1f}")
 
 
+def _host_us(fn: Step, calls: int = 200, every: int = 10) -> float:
+    """Host us per call, the device synchronised every ``every`` calls (never a full queue)."""
+    rounds = []
+    for _ in range(calls // every):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(every):
+            fn()
+        rounds.append((time.perf_counter() - start) * 1e6 / every)
+    torch.cuda.synchronize()
+    return statistics.median(rounds)
+
+
+class _KernelCall(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the fused attention kernel op an sdpa call ends in, with its arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.call: tuple[object, tuple, dict] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if "scaled_dot_product" in str(func) and self.call is None:
+            self.call = (func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def host_costs() -> None:
+    """Whether bcg+compile is host-bound: a replay's host time against its device time, and
+    the host cost of each piece of a break."""
+    import transformers
+
+    from bcg_core import BreakableGraphRunner
+    from bcg_core._capture.graph import BreakStep, SegmentStep
+    from bcg_core.bench._hf_llama import _decode_step, _llama
+
+    model, context, _ = _llama(transformers, torch.device("cuda"), smoke=False)
+    for batch in (1, 8):
+        step = _decode_step(transformers, model, batch, context)
+        compiled = torch.compile(step, fullgraph=True)
+        for _ in range(3):
+            compiled()
+        torch.cuda.synchronize()
+        torch._C._cuda_clearCublasWorkspaces()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            compiled()
+        runners = {
+            "bcg+compile": BreakableGraphRunner(compiled, device="cuda", return_views=True),
+            "bcg (eager kernels)": BreakableGraphRunner(step, device="cuda", return_views=True),
+        }
+        print(f"hf-llama batch {batch}: device us per step (8 steps queued), host us per step")
+        d, h = _device_us(graph.replay, steps=8)
+        print(f"  {'compiled_graph':22s} device {d:8.1f}  host {h:8.1f}")
+        for name, runner in runners.items():
+            runner.capture()
+            (entry,) = runner._entries.values()
+            d, h = _device_us(entry.graph.replay, steps=8)
+            print(
+                f"  {name:22s} device {d:8.1f}  host {h:8.1f}  host per replay, device "
+                f"synchronised every 10: {_host_us(entry.graph.replay):8.1f}"
+            )
+            steps = entry.graph._steps
+            brk = next(s for s in steps if isinstance(s, BreakStep))
+            seg = next(s for s in steps if isinstance(s, SegmentStep))
+            fn = functools.partial(brk.fn, *brk.args, **brk.kwargs)
+            pieces: dict[str, Step] = {
+                "segment launch": seg.segment.launcher(),
+                "break fn": fn,
+                "break run (fn + bridge)": brk.run,
+                "bridge update": functools.partial(brk.bridge.update, fn()),
+            }
+            if name == "bcg+compile":
+                with _KernelCall() as rec:
+                    fn()
+                if rec.call is not None:
+                    op, a, kw = rec.call
+                    pieces[f"  its kernel op alone ({str(op)[:40]})"] = functools.partial(
+                        op, *a, **kw
+                    )
+                    pieces["  torch._fused_sdp_choice"] = functools.partial(
+                        torch._fused_sdp_choice, *brk.args, **brk.kwargs
+                    )
+            for label, piece in pieces.items():
+                print(f"    {label:48s} {_host_us(piece, 400, 20):7.2f} us host")
+            runner.reset()
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         print("probe_break_gap: CUDA is not available")
         return
+    parts = sys.argv[1:] or ["synthetic", "profile", "host"]
     torch.set_grad_enabled(False)
-    synthetic()
-    try:
-        compiled_llama()
-    except Exception as exc:  # a probe reports and ends
-        print(f"compiled hf-llama part failed: {type(exc).__name__}: {exc}")
+    if "synthetic" in parts:
+        synthetic()
+    for part, run in (("profile", compiled_llama), ("host", host_costs)):
+        if part not in parts:
+            continue
+        try:
+            run()
+        except Exception as exc:  # a probe reports and ends
+            print(f"{part} part failed: {type(exc).__name__}: {exc}")
 
 
 if __name__ == "__main__":
