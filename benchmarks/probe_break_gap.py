@@ -1,8 +1,8 @@
 # ruff: noqa: PLC2701  (a probe builds the bench's own model and step)
 """GPU probe for issue 20: where a break's device time goes between compiled segments.
 
-``python3 benchmarks/probe_break_gap.py [synthetic] [profile] [host]`` (sources on PYTHONPATH,
-CUDA only; all three parts by default):
+``python3 benchmarks/probe_break_gap.py [synthetic] [profile] [host] [backends]`` (sources on
+PYTHONPATH, CUDA only; every part by default):
 
 1. Synthetic, plain torch: 16 "layers" of small bf16 GEMVs around an sdpa decode kernel, the
    device time per step (the host queued far ahead behind a sleep kernel, so only the device
@@ -16,6 +16,8 @@ CUDA only; all three parts by default):
 3. ``host``: at batch 1 and 8, each contender's device time with only 8 steps queued (so the
    launch queue never fills and blocks the host) beside its host time, and the host cost of a
    segment launch, a break's function, its bridge update and the kernel op its sdpa ends in.
+4. ``backends``: bcg+compile against compiled_graph, interleaved, with torch's own sdpa backend
+   choice (cuDNN attention on the H200) and with cuDNN attention off.
 """
 
 from __future__ import annotations
@@ -362,15 +364,59 @@ def host_costs() -> None:
             runner.reset()
 
 
+def backends() -> None:
+    """bcg+compile against compiled_graph with torch's default sdpa backend choice (cuDNN on
+    the H200) and with cuDNN attention turned off (memory-efficient attention): device time
+    per step, the two contenders interleaved round by round, ratio per round."""
+    import transformers
+
+    from bcg_core import BreakableGraphRunner
+    from bcg_core.bench._hf_llama import _decode_step, _llama
+
+    model, context, _ = _llama(transformers, torch.device("cuda"), smoke=False)
+    for cudnn in (True, False):
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        for batch in (1, 8):
+            torch._dynamo.reset()
+            step = _decode_step(transformers, model, batch, context)
+            compiled = torch.compile(step, fullgraph=True)
+            for _ in range(3):
+                compiled()
+            torch.cuda.synchronize()
+            torch._C._cuda_clearCublasWorkspaces()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                compiled()
+            runner = BreakableGraphRunner(compiled, device="cuda", return_views=True)
+            runner.capture()
+            (entry,) = runner._entries.values()
+            plain, ours = [], []
+            for _ in range(9):
+                plain.append(_device_us(graph.replay, steps=8, rounds=1)[0])
+                ours.append(_device_us(entry.graph.replay, steps=8, rounds=1)[0])
+            ratios = sorted(b / a for a, b in zip(plain, ours, strict=True))
+            breaks = entry.graph.num_breaks
+            print(
+                f"sdpa {'default (cuDNN allowed)' if cudnn else 'cuDNN off'}, batch {batch}: "
+                f"compiled_graph {statistics.median(plain):7.1f} us, bcg+compile "
+                f"{statistics.median(ours):7.1f} us, ratio {statistics.median(ratios):.3f} "
+                f"[{ratios[0]:.3f}-{ratios[-1]:.3f}], "
+                f"{(statistics.median(ours) - statistics.median(plain)) / breaks:5.2f} us per "
+                f"break ({breaks} breaks)"
+            )
+            runner.reset()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         print("probe_break_gap: CUDA is not available")
         return
-    parts = sys.argv[1:] or ["synthetic", "profile", "host"]
+    parts = sys.argv[1:] or ["synthetic", "profile", "host", "backends"]
     torch.set_grad_enabled(False)
     if "synthetic" in parts:
         synthetic()
-    for part, run in (("profile", compiled_llama), ("host", host_costs)):
+    for part, run in (("profile", compiled_llama), ("host", host_costs), ("backends", backends)):
         if part not in parts:
             continue
         try:

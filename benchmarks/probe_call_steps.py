@@ -3,11 +3,12 @@
 
 ``python3 benchmarks/probe_call_steps.py`` (sources on PYTHONPATH; ``--smoke`` for the tiny
 decoder, also on CPU). The host time of one call (the device idle at its start, synchronised
-outside the timed span), for the ``bench_call_cost`` decoder-8b case built up step by step from
-the hand replay to the runner call, each row adding one piece of the runner's path; samples
-interleaved, order rotated every round, median of the paired differences against ``hand``.
-Then the break's function alone (the graph's first break step, on its capture-time arguments)
-timed right after each kind of call, to tell a slower call from slower torch ops after it.
+outside the timed span; ``--mode sync``: the time to its result, synchronised inside), for the
+``bench_call_cost`` decoder-8b case built up step by step from the hand replay to the runner
+call, each row adding one piece of the runner's path; samples interleaved, order rotated every
+round, median of the paired differences against ``hand``. Then the break's function alone (the
+graph's first break step, on its capture-time arguments) timed right after each kind of call,
+to tell a slower call from slower torch ops after it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument(
+        "--mode", choices=("host", "sync"), default="host", help="host time, or call to result"
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_grad_enabled(False)
@@ -90,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
             _sync(device)
             start = time.perf_counter()
             rows[name]()
+            if args.mode == "sync":
+                _sync(device)
             mid = time.perf_counter()
             brk.fn(*brk.args, **brk.kwargs)  # the break alone, right after the call
             end = time.perf_counter()
@@ -98,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
             after[name].append((end - mid) * 1e6)
     gc.enable()
     hand, hand_after = times["hand"], after["hand"]
-    print(f"decoder-8b{' (smoke)' if args.smoke else ''} on {device.type}: host us per call")
+    what = "host us per call" if args.mode == "host" else "us per call to its result (sync)"
+    print(f"decoder-8b{' (smoke)' if args.smoke else ''} on {device.type}: {what}")
     for name in names:
         diff = statistics.median(a - b for a, b in zip(times[name], hand, strict=True))
         diff_after = statistics.median(a - b for a, b in zip(after[name], hand_after, strict=True))
