@@ -41,13 +41,8 @@ from bcg_core._integrations.continuous_batching import (
 )
 from bcg_core._integrations.transformers import breakable_attention
 from bcg_core._patching import PatchHandle, patch_attribute
-from bcg_core._runner.runner import (
-    BreakableGraphRunner,
-    CaptureReport,
-    EntryStats,
-    GraphMemory,
-    RunnerStats,
-)
+from bcg_core._runner.runner import BreakableGraphRunner
+from bcg_core._runner.stats import CaptureReport, EntryStats, GraphMemory, RunnerStats
 from bcg_core._signature import describe_difference, signature_of
 from bcg_core._version import __version__
 

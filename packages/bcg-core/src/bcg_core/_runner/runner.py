@@ -8,12 +8,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-from bcg_core import _trees
 from bcg_core._backends import backend_for_device
 from bcg_core._capture.capture import CAPTURE_ERROR_MODES, BreakableCUDAGraphCapture
 from bcg_core._capture.flag import (
@@ -27,10 +25,12 @@ from bcg_core._capture.graph import BreakableCUDAGraph
 from bcg_core._diagnostics.divergence import runner_divergence
 from bcg_core._diagnostics.divergence_report import DivergenceReport
 from bcg_core._errors import ConcurrentCaptureError
+from bcg_core._runner.calls import Call, call_bytes, call_shapes, check_call
 from bcg_core._runner.entry import Entry
 from bcg_core._runner.pool import PoolTurn, share_turn
 from bcg_core._runner.progress import capture_progress
 from bcg_core._runner.scalars import ScalarSlots
+from bcg_core._runner.stats import CaptureReport, EntryStats, GraphMemory, RunnerStats
 from bcg_core._signature import (
     Signature,
     describe_difference,
@@ -45,107 +45,6 @@ logger = logging.getLogger("bcg_core")
 
 MISS_LOG_LIMIT = 8
 """Distinct missed signatures logged with their details; later misses are only counted."""
-
-Call = tuple[tuple[Any, ...], dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class EntryStats:
-    """One captured signature of a :class:`BreakableGraphRunner`, in :attr:`RunnerStats.entries`.
-
-    Attributes:
-        signature: the call signature the graph was captured for (see :func:`signature_of`).
-        segments: graph segments launched per replay.
-        breaks: breaks run per replay.
-        pool_bytes: the bytes its (shared) pool held right after this capture; None where the
-            backend cannot tell (CPU).
-        replays: replays so far.
-        capture_runs: how many times :meth:`BreakableGraphRunner.capture` ran the step for it
-            (warm-ups + the capture).
-        pool: the memory pool it was captured into.
-        capture_ms: the wall time of the capture itself in ms (warm-ups excluded; the capture
-            stream synchronised at its end).
-        warmup_ms: the wall time of its warm-ups in ms.
-    """
-
-    signature: Signature
-    segments: int
-    breaks: int
-    pool_bytes: int | None
-    replays: int
-    capture_runs: int
-    pool: Any
-    capture_ms: float
-    warmup_ms: float = 0.0
-
-
-@dataclass(frozen=True)
-class GraphMemory:
-    """The device memory a runner's graphs hold, in bytes.
-
-    See :meth:`BreakableGraphRunner.graph_memory`.
-
-    Attributes:
-        pool_bytes: what the allocator holds in the runner's pool (graph intermediates, bridges
-            and outputs; shared with every graph and runner using the pool; None where the
-            backend cannot tell).
-        static_bytes: the static input buffers and scalar slots of every entry (allocated
-            outside the pool).
-        bridge_bytes: break outputs held outside the pool (a break that returns a tensor it
-            did not allocate in the capture, e.g. a buffer of its own).
-    """
-
-    pool_bytes: int | None
-    static_bytes: int
-    bridge_bytes: int
-
-    @property
-    def total_bytes(self) -> int | None:
-        """Everything above (None when the pool's size is unknown)."""
-        if self.pool_bytes is None:
-            return None
-        return self.pool_bytes + self.static_bytes + self.bridge_bytes
-
-
-@dataclass(frozen=True)
-class CaptureReport:
-    """What :meth:`BreakableGraphRunner.capture_many` did.
-
-    Attributes:
-        captured: the entries it captured, in capture order (each with its capture and warm-up
-            ms, segments, breaks and the pool's bytes right after it).
-        failed: the calls whose capture failed, as (signature, reason); they run eagerly.
-        seconds: the wall time of the whole start-up (warm-ups and captures).
-        memory: the graph memory the runner holds afterwards, which is what an engine
-            subtracts before sizing its KV cache.
-    """
-
-    captured: tuple[EntryStats, ...]
-    failed: tuple[tuple[Signature, str], ...]
-    seconds: float
-    memory: GraphMemory
-
-
-@dataclass(frozen=True)
-class RunnerStats:
-    """Counters since construction (or the last :meth:`BreakableGraphRunner.reset`).
-
-    Attributes:
-        hits: calls served by a replay.
-        misses: calls run eagerly for want of a graph: an unknown signature outside a capture
-            window, or a blocked one.
-        captures: successful captures.
-        failed_captures: captures that raised (their signatures are blocked).
-        evictions: entries dropped beyond ``max_entries`` (least recently used first).
-        entries: one :class:`EntryStats` per captured signature, least recently used first.
-    """
-
-    hits: int
-    misses: int
-    captures: int
-    failed_captures: int
-    evictions: int
-    entries: tuple[EntryStats, ...] = field(default=())
 
 
 class BreakableGraphRunner:
@@ -398,9 +297,9 @@ class BreakableGraphRunner:
         """
         if order not in ("largest_first", "given"):
             raise ValueError(f"order must be 'largest_first' or 'given', got {order!r}")
-        checked = [_check_call(i, c) for i, c in enumerate(calls)]
+        checked = [check_call(i, c) for i, c in enumerate(calls)]
         if order == "largest_first":
-            checked.sort(key=_call_bytes, reverse=True)  # stable: ties keep the given order
+            checked.sort(key=call_bytes, reverse=True)  # stable: ties keep the given order
         started = time.perf_counter()
         evictions = self._counts["evictions"]
         captured: list[EntryStats] = []
@@ -420,7 +319,7 @@ class BreakableGraphRunner:
                     elif self._counts["failed"] > before[1]:
                         sig = next(reversed(self._blocked))
                         failed.append((sig, self._blocked[sig]))
-                advance(_shapes(args, kwargs))
+                advance(call_shapes(args, kwargs))
         seconds = time.perf_counter() - started
         if self._counts["evictions"] > evictions:
             logger.warning(
@@ -796,30 +695,6 @@ class BreakableGraphRunner:
         )
 
 
-def _check_call(index: int, call: Any) -> Call:
-    if (
-        not isinstance(call, tuple)
-        or len(call) != 2
-        or not isinstance(call[0], tuple)
-        or not isinstance(call[1], dict)
-    ):
-        raise TypeError(
-            f"capture_many takes (args, kwargs) pairs, e.g. [((x,), {{}}), ((y,), {{'t': t}})]; "
-            f"item {index} is {type(call).__name__}"
-        )
-    return call
-
-
-def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """The first tensor shapes of a call, for the progress bar."""
-    shapes = [tuple(t.shape) for t in _trees.tensor_leaves((args, kwargs))[:2]]
-    return " ".join(str(list(s)) for s in shapes)
-
-
 def _note_storage(seen: dict[int, int], t: torch.Tensor) -> None:
     storage = t.untyped_storage()
     seen.setdefault(storage.data_ptr(), storage.nbytes())
-
-
-def _call_bytes(call: Call) -> int:
-    return sum(t.numel() * t.element_size() for t in _trees.tensor_leaves(call))

@@ -1,0 +1,108 @@
+"""What a runner reports: its entries, the graph memory it holds, a start-up's report and its
+counters (the public result types of :class:`bcg_core.BreakableGraphRunner`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from bcg_core._signature import Signature
+
+
+@dataclass(frozen=True)
+class EntryStats:
+    """One captured signature of a :class:`BreakableGraphRunner`, in :attr:`RunnerStats.entries`.
+
+    Attributes:
+        signature: the call signature the graph was captured for (see :func:`signature_of`).
+        segments: graph segments launched per replay.
+        breaks: breaks run per replay.
+        pool_bytes: the bytes its (shared) pool held right after this capture; None where the
+            backend cannot tell (CPU).
+        replays: replays so far.
+        capture_runs: how many times :meth:`BreakableGraphRunner.capture` ran the step for it
+            (warm-ups + the capture).
+        pool: the memory pool it was captured into.
+        capture_ms: the wall time of the capture itself in ms (warm-ups excluded; the capture
+            stream synchronised at its end).
+        warmup_ms: the wall time of its warm-ups in ms.
+    """
+
+    signature: Signature
+    segments: int
+    breaks: int
+    pool_bytes: int | None
+    replays: int
+    capture_runs: int
+    pool: Any
+    capture_ms: float
+    warmup_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class GraphMemory:
+    """The device memory a runner's graphs hold, in bytes.
+
+    See :meth:`BreakableGraphRunner.graph_memory`.
+
+    Attributes:
+        pool_bytes: what the allocator holds in the runner's pool (graph intermediates, bridges
+            and outputs; shared with every graph and runner using the pool; None where the
+            backend cannot tell).
+        static_bytes: the static input buffers and scalar slots of every entry (allocated
+            outside the pool).
+        bridge_bytes: break outputs held outside the pool (a break that returns a tensor it
+            did not allocate in the capture, e.g. a buffer of its own).
+    """
+
+    pool_bytes: int | None
+    static_bytes: int
+    bridge_bytes: int
+
+    @property
+    def total_bytes(self) -> int | None:
+        """Everything above (None when the pool's size is unknown)."""
+        if self.pool_bytes is None:
+            return None
+        return self.pool_bytes + self.static_bytes + self.bridge_bytes
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    """What :meth:`BreakableGraphRunner.capture_many` did.
+
+    Attributes:
+        captured: the entries it captured, in capture order (each with its capture and warm-up
+            ms, segments, breaks and the pool's bytes right after it).
+        failed: the calls whose capture failed, as (signature, reason); they run eagerly.
+        seconds: the wall time of the whole start-up (warm-ups and captures).
+        memory: the graph memory the runner holds afterwards, which is what an engine
+            subtracts before sizing its KV cache.
+    """
+
+    captured: tuple[EntryStats, ...]
+    failed: tuple[tuple[Signature, str], ...]
+    seconds: float
+    memory: GraphMemory
+
+
+@dataclass(frozen=True)
+class RunnerStats:
+    """Counters since construction (or the last :meth:`BreakableGraphRunner.reset`).
+
+    Attributes:
+        hits: calls served by a replay.
+        misses: calls run eagerly for want of a graph: an unknown signature outside a capture
+            window, or a blocked one.
+        captures: successful captures.
+        failed_captures: captures that raised (their signatures are blocked).
+        evictions: entries dropped beyond ``max_entries`` (least recently used first).
+        entries: one :class:`EntryStats` per captured signature, least recently used first.
+    """
+
+    hits: int
+    misses: int
+    captures: int
+    failed_captures: int
+    evictions: int
+    entries: tuple[EntryStats, ...] = field(default=())
