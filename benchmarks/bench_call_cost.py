@@ -15,8 +15,9 @@ passed each call, so the runner copies them) and ``flux`` (the ``flux`` bench mo
 - ``hand (runner's graph)``: ``replay()`` of the graph the ``runner_views`` runner captured
   (its inputs already in place): what the graph itself costs apart from the runner's calls;
 - ``hand+flag``: ``hand`` with the runtime flag on (as the runner replays);
-- ``hand+protocol``: the same inside what the runner adds on the device and around the replay:
-  an event wait before, the runtime flag on, an event record after (clone where it clones);
+- ``hand+protocol``: the same inside what the runner adds around the replay: its pool turn
+  (lock; an event wait only when the last use was on another stream), the runtime flag on
+  (clone where it clones);
 - ``runner_views``: the runner with ``return_views=True``;
 - ``runner``: the runner, output cloned (``return_views=False``).
 
@@ -33,8 +34,8 @@ differences ``runner - hand`` of one round (target: <= 25 us in sync and pipelin
 neighbouring samples share the host's and the device's drift, which moved whole runs of one
 variant by tens of us when variants ran one after another. The
 gap between ``hand+protocol`` and ``runner`` is the runner's host bookkeeping (lock, signature
-walk, dictionary lookups); the gap between ``hand`` and ``hand+protocol`` is the event order
-and the flag. Writes ``DIR/bench_call_cost-<device>.json`` and prints one line per workload.
+walk, dictionary lookups); the gap between ``hand`` and ``hand+protocol`` is the turn and the
+flag. Writes ``DIR/bench_call_cost-<device>.json`` and prints one line per workload.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ from bcg_core import (
     BreakableGraphRunner,
     enable_breakable_cuda_graph,
 )
+from bcg_core._capture.flag import flag_on, flag_reset  # noqa: PLC2701
+from bcg_core._runner.pool import PoolTurn  # noqa: PLC2701
 from bcg_core.bench import (
     ToyDecoder,
     _hf_llama,  # noqa: PLC2701
@@ -186,7 +189,6 @@ def _variants(case: Case, device: torch.device) -> dict[str, Callable[[], object
         _sync(device)
         with BreakableCUDAGraphCapture(graph):
             out = case.step(*statics)
-    event = torch.cuda.Event() if stream is not None else None  # type: ignore[no-untyped-call]
 
     def load() -> None:
         for s, a in zip(statics, case.args, strict=True):
@@ -197,16 +199,20 @@ def _variants(case: Case, device: torch.device) -> dict[str, Callable[[], object
         graph.replay()
         return out
 
+    turn = PoolTurn(graph._backend_impl)
+
     def hand_protocol(clone: bool) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
-            if event is not None:
-                event.wait(stream)
-            with enable_breakable_cuda_graph():
-                load()
-                graph.replay()
-                result = out.clone() if clone else out
-            if event is not None:
-                event.record(stream)
+            with turn.lock:  # the runner's order of uses (an event only across streams)
+                turn.wait(stream)
+                token = flag_on()
+                try:
+                    load()
+                    graph.replay()
+                    result = out.clone() if clone else out
+                finally:
+                    flag_reset(token)
+                    turn.record(stream)
             return result
 
         return run
