@@ -216,6 +216,20 @@ def _listing(label: str, ks: list[tuple[str, float, float]], count: int = 45) ->
         print(f"    {gap:7.2f} {duration:7.2f}  {name[:110]}")
 
 
+def _compiled_graph(step: Step) -> tuple[Step, torch.cuda.CUDAGraph]:
+    """``torch.compile(step)`` (default mode, ``fullgraph``), warmed up, and one plain CUDA
+    graph of it (the bench's ``compiled_graph``)."""
+    compiled = torch.compile(step, fullgraph=True)
+    for _ in range(3):
+        compiled()
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()  # as the bench's graph contenders do
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        compiled()
+    return compiled, graph
+
+
 def compiled_llama() -> None:
     import transformers
 
@@ -225,14 +239,7 @@ def compiled_llama() -> None:
     model, context, _ = _llama(transformers, torch.device("cuda"), smoke=False)
     with torch.no_grad():
         step = _decode_step(transformers, model, 1, context)
-        compiled = torch.compile(step, fullgraph=True)
-        for _ in range(3):
-            compiled()
-        torch.cuda.synchronize()
-        torch._C._cuda_clearCublasWorkspaces()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            compiled()
+        compiled, graph = _compiled_graph(step)
         runner = BreakableGraphRunner(compiled, device="cuda", return_views=True)
         runner.capture()
         (entry,) = runner._entries.values()
@@ -315,14 +322,7 @@ def host_costs() -> None:
     model, context, _ = _llama(transformers, torch.device("cuda"), smoke=False)
     for batch in (1, 8):
         step = _decode_step(transformers, model, batch, context)
-        compiled = torch.compile(step, fullgraph=True)
-        for _ in range(3):
-            compiled()
-        torch.cuda.synchronize()
-        torch._C._cuda_clearCublasWorkspaces()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            compiled()
+        compiled, graph = _compiled_graph(step)
         runners = {
             "bcg+compile": BreakableGraphRunner(compiled, device="cuda", return_views=True),
             "bcg (eager kernels)": BreakableGraphRunner(step, device="cuda", return_views=True),
@@ -379,14 +379,7 @@ def backends() -> None:
         for batch in (1, 8):
             torch._dynamo.reset()
             step = _decode_step(transformers, model, batch, context)
-            compiled = torch.compile(step, fullgraph=True)
-            for _ in range(3):
-                compiled()
-            torch.cuda.synchronize()
-            torch._C._cuda_clearCublasWorkspaces()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                compiled()
+            compiled, graph = _compiled_graph(step)
             runner = BreakableGraphRunner(compiled, device="cuda", return_views=True)
             runner.capture()
             (entry,) = runner._entries.values()
