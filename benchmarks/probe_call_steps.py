@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_call_cost import _decoder_case, _sync
+from bench_call_cost import _decoder_case, _sync, _variants
 
 from bcg_core._capture.flag import flag_on, flag_reset
 from bcg_core._capture.graph import BreakStep
@@ -42,7 +42,6 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_grad_enabled(False)
     case = _decoder_case(device, args.smoke)
-    from bench_call_cost import _variants
 
     variants = _variants(case, device)
     runner = variants["_keep"]()[3]  # the return_views runner
