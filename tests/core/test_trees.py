@@ -26,6 +26,7 @@ from bcg_core._trees import (  # noqa: PLC2701
     key_paths,
     map_tensors,
     same_up_to_key_order,
+    tensor_leaves,
 )
 
 
@@ -87,6 +88,14 @@ def test_map_keeps_types_and_shares_untouched_nodes() -> None:
     assert doubled["m"] is not meta and meta.seq_lens is t  # a copy; the original untouched
     assert map_tensors(obj, lambda x: x * 2, into_objects=False)["m"] is meta
     assert map_tensors(obj, lambda x: x) is obj
+
+
+def test_tensor_leaves_can_stop_at_objects() -> None:
+    a, b, c, d = (torch.full((1,), float(i)) for i in range(4))
+    obj = ([a, AttnOut(b, b)], {"m": Meta(c), "s": Step(d, d)})
+    assert [t.item() for t in tensor_leaves(obj)] == [0.0, 1.0, 1.0, 2.0, 3.0, 3.0]
+    # containers and pytree nodes (the named tuple) are walked, the objects are not
+    assert [t.item() for t in tensor_leaves(obj, into_objects=False)] == [0.0, 1.0, 1.0]
 
 
 def test_cycles_are_leaves() -> None:

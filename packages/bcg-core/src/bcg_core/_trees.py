@@ -202,9 +202,19 @@ def _flatten(obj: Any, leaves: list[Any], active: set[int]) -> TreeSpec:
     return (type(obj), _context_key(context), specs)
 
 
-def tensor_leaves(obj: Any) -> list[torch.Tensor]:
-    """The tensors of ``obj`` in walk order."""
-    return [x for x in flatten(obj)[0] if isinstance(x, torch.Tensor)]
+def tensor_leaves(obj: Any, *, into_objects: bool = True) -> list[torch.Tensor]:
+    """The tensors of ``obj`` in walk order; with ``into_objects=False`` not those inside
+    dataclasses and plain objects (only pytree nodes: lists, tuples, dicts and the like)."""
+    if into_objects:
+        return [x for x in flatten(obj)[0] if isinstance(x, torch.Tensor)]
+    found: list[torch.Tensor] = []
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    _map(obj, collect, False, set())
+    return found
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], *, into_objects: bool = True) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from bcg_core._capture.fresh import TRACKER, FreshTensorTracker, flat_tensors, storage_key
+from bcg_core._capture.fresh import TRACKER, FreshTensorTracker, storage_key
 from bcg_core._env import FALSE_WORDS, TRUE_WORDS, env_word
 from bcg_core._errors import CaptureError
 from bcg_core._trees import tensor_leaves
@@ -84,7 +84,8 @@ def report_leaks(
     :func:`keep_alive_ok`: a warning, or :class:`CaptureError` when ``strict``."""
     # Returned tensors are bridged (found as bridges find them); argument tensors are caller- or
     # pool-owned. Tensors reachable only through an argument *object* are what this catches.
-    kept = {storage_key(t) for t in (*tensor_leaves(output), *flat_tensors(arguments))}
+    reached = (*tensor_leaves(output), *tensor_leaves(arguments, into_objects=False))
+    kept = {storage_key(t) for t in reached}
     leaked = {
         ptr: size
         for ptr, size in tracker.alive().items()

@@ -27,6 +27,8 @@ import torch
 import torch.utils._python_dispatch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from bcg_core._trees import tensor_leaves
+
 # The tracker of the break running on this thread, for keep_alive_ok (debug.py).
 TRACKER: ContextVar[FreshTensorTracker | None] = ContextVar("bcg_core_fresh", default=None)
 
@@ -34,17 +36,6 @@ TRACKER: ContextVar[FreshTensorTracker | None] = ContextVar("bcg_core_fresh", de
 def storage_key(t: torch.Tensor) -> int:
     """A tensor's storage, as its data pointer."""
     return t.untyped_storage().data_ptr()
-
-
-def flat_tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors in ``obj`` and in the lists, tuples and dicts it nests (not in objects)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in flat_tensors(item)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in flat_tensors(item)]
-    return []
 
 
 # Namespaces whose schemas state every alias (ATen's are checked by torch's own tests and
@@ -111,14 +102,14 @@ class FreshTensorTracker(torch.utils._python_dispatch.TorchDispatchMode):  # typ
         out = func(*args, **(kwargs or {}))
         fresh = _fresh_returns(func)
         if fresh is None:  # no schema to trust: compare with the inputs' storages
-            inputs = {storage_key(t) for t in flat_tensors((args, kwargs))}
-            for t in flat_tensors(out):
+            inputs = {storage_key(t) for t in tensor_leaves((args, kwargs), into_objects=False)}
+            for t in tensor_leaves(out, into_objects=False):
                 if storage_key(t) not in inputs:
                     self._note(t)
         elif fresh:
             outs = out if isinstance(out, tuple) else (out,)
             for i in fresh:
-                for t in flat_tensors(outs[i]):
+                for t in tensor_leaves(outs[i], into_objects=False):
                     self._note(t)
         return out
 
