@@ -23,6 +23,7 @@ import torch._dynamo.testing
 from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
+    BreakOutputError,
     CaptureError,
     eager_on_graph,
     enable_breakable_cuda_graph,
@@ -291,6 +292,33 @@ def test_a_break_taking_a_float_compiles_with_dynamic_shapes() -> None:
     module.scale = 0.5  # the guard sees the new value: recompiled, not stale
     x = torch.randn(4)
     torch.testing.assert_close(compiled(x), module(x), rtol=0, atol=0)
+
+
+def test_a_plain_value_a_compiled_break_returns_must_stay_the_traced_one() -> None:
+    """The compiled code after a break computes with the value the break returned when it was
+    traced; a run that returns another raises instead of computing with the stale one."""
+    torch._dynamo.reset()
+    state = {"n": 2, "kind": None}
+
+    @eager_on_graph(name="cc.counted")
+    def counted(x: torch.Tensor) -> tuple[torch.Tensor, int, Any]:
+        return x * 2, state["n"], state["kind"]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y, n, _ = counted(x)
+        return y + n
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    x = torch.ones(3)
+    torch.testing.assert_close(compiled(x), torch.full((3,), 4.0), rtol=0, atol=0)
+    state["n"] = 5
+    with pytest.raises(BreakOutputError, match=r"returned 5 at run time .* but 2 when"):
+        compiled(x)
+    state["n"], state["kind"] = 2, "gqa"
+    with pytest.raises(BreakOutputError, match="'gqa' at run time"):
+        compiled(x)
+    state["kind"] = None
+    torch.testing.assert_close(compiled(x), torch.full((3,), 4.0), rtol=0, atol=0)
 
 
 def test_compiled_sdpa_llama_keeps_only_the_sdpa_call_opaque() -> None:

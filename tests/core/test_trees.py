@@ -160,23 +160,78 @@ def test_break_structure_change_raises(
     assert repr(step.__qualname__) in str(info.value)
 
 
-def test_break_flat_tuple_refreshes_tensors_and_freezes_other_values(device: str) -> None:
+def test_break_flat_tuple_refreshes_tensors_and_checks_plain_values(device: str) -> None:
     x = torch.zeros(3)
-    seen = iter(range(100))
+    state = {"n": 0}
 
     @eager_on_graph
     def pair(x: torch.Tensor) -> tuple[torch.Tensor, None, int, torch.Tensor]:
-        return x + 1, None, next(seen), x * 2
+        return x + 1, None, state["n"], x * 2
 
     def step() -> torch.Tensor:
         a, _, n, b = pair(x)
         return a * 10 + b + n
 
-    graph, result = _capture(step)  # n is 0 at capture and stays 0 in the graph
+    graph, result = _capture(step)  # n is 0 at capture: the graph adds 0
     for value in (1.0, 5.0, -2.0):
         x.fill_(value)
         graph.replay()
         assert torch.equal(result, (x + 1) * 10 + x * 2), (result, x)
+    state["n"] = 3  # eager would add 3: the replay must not return the capture's result
+    with pytest.raises(BreakOutputError, match=r"output\[2\] is 3 at replay but was 0"):
+        graph.replay()
+    state["n"] = 0  # the graph is still good for the value it was captured with
+    x.fill_(2.0)
+    graph.replay()
+    assert torch.equal(result, (x + 1) * 10 + x * 2)
+
+
+@pytest.mark.parametrize(
+    ("at_capture", "at_replay", "raises"),
+    [
+        (None, None, False),
+        (float("nan"), float("nan"), False),
+        ("mha", "mha", False),
+        (1, True, True),  # another type
+        (None, 0, True),
+        (0.5, 0.25, True),
+        ("mha", "gqa", True),
+    ],
+)
+def test_break_plain_values_in_a_dict_must_come_back_equal(
+    device: str, at_capture: Any, at_replay: Any, raises: bool
+) -> None:
+    x = torch.zeros(2)
+    values = iter([at_capture, at_replay])
+
+    @eager_on_graph
+    def split(x: torch.Tensor) -> dict[str, Any]:
+        return {"v": next(values), "out": x + 1}
+
+    graph, result = _capture(lambda: split(x)["out"] * 2)
+    x.fill_(4.0)
+    if raises:
+        with pytest.raises(BreakOutputError, match=r"output\['v'\]"):
+            graph.replay()
+    else:
+        graph.replay()
+        assert torch.equal(result, torch.full((2,), 10.0))
+
+
+def test_break_values_inside_objects_are_not_judged(device: str) -> None:
+    x = torch.zeros(2)
+    calls = iter(range(100))
+
+    @eager_on_graph
+    def with_meta(x: torch.Tensor) -> tuple[torch.Tensor, Meta]:
+        meta = Meta(x + 1)
+        meta.max_len = next(calls)  # host state of an object: its own business
+        return x * 3, meta
+
+    graph, result = _capture(lambda: with_meta(x)[0] + with_meta(x)[1].seq_lens)
+    x.fill_(2.0)
+    graph.replay()
+    assert torch.equal(result, torch.full((2,), 9.0))
 
 
 def test_break_dict_in_another_key_order_is_matched_by_key(device: str) -> None:

@@ -202,6 +202,16 @@ def _flatten(obj: Any, leaves: list[Any], active: set[int]) -> TreeSpec:
     return (type(obj), _context_key(context), specs)
 
 
+# The plain values whose change after a capture or a trace is judged (``same_value``): what code
+# after a break computes with. Objects and symbolic numbers are not judged.
+PLAIN_VALUES = (type(None), bool, int, float, str)
+
+
+def same_value(got: Any, want: Any) -> bool:
+    """Whether a plain value came back as it was: the same type and equal (NaN equals NaN)."""
+    return type(got) is type(want) and (got == want or (got != got and want != want))
+
+
 def tensor_leaves(obj: Any, *, into_objects: bool = True) -> list[torch.Tensor]:
     """The tensors of ``obj`` in walk order; with ``into_objects=False`` not those inside
     dataclasses and plain objects (only pytree nodes: lists, tuples, dicts and the like)."""

@@ -86,7 +86,8 @@ def eager_on_graph(
     At every replay the real function runs again on the tensors it saw at capture (held as
     non-owning aliases: the caller keeps static inputs alive) and its returned tensors are copied
     into the ones returned at capture, which the next segment reads. Return values must keep the
-    same structure, shapes and dtypes; non-tensor values are frozen at capture. With
+    same structure, shapes and dtypes; non-tensor values are frozen at capture (a ``None``,
+    bool, number or string that comes back different at a replay raises). With
     ``strict=True`` returning a CUDA tensor fails at capture: write into an argument buffer.
 
     Outside a capture, inside another break, or with ``enable=False`` the function is simply
@@ -100,8 +101,8 @@ def eager_on_graph(
     and that runs this wrapper eagerly at run time, so a capture around the compiled call
     records the break (``fullgraph=True`` works). To know the outputs, the compiler runs the
     ``capture_stub`` (else the function) once on fake tensors; non-tensor return values are
-    frozen then. A call with other arguments (a module, a plain object) makes dynamo
-    graph-break there and call the wrapper eagerly. Tensors the break writes must be among its
+    frozen then (checked at every run like a replay's). A call with other arguments (a module,
+    a plain object) makes dynamo graph-break there and call the wrapper eagerly. Tensors the break writes must be among its
     arguments: the compiler orders the code around the op by those alone. Usable bare
     (``@eager_on_graph``) or configured (``@eager_on_graph(strict=True)``); the wrapper keeps
     name and docstring.
@@ -129,7 +130,7 @@ def eager_on_graph(
         TypeError: ``capture_stub`` or the decorated object is not callable.
         BreakOutputError: at capture, ``strict=True`` and a device tensor was returned (at
             replay, :meth:`BreakableCUDAGraph.replay` raises it when the returned structure,
-            shapes or dtypes differ from capture's).
+            shapes, dtypes or plain values differ from capture's).
     """
     if capture_stub is not None and not callable(capture_stub):
         raise TypeError(f"capture_stub must be callable, got {capture_stub!r}")

@@ -17,7 +17,10 @@ objects, registered pytree types). At replay the fresh output must have the capt
 structure (types, dict keys, field names, lengths; tensors where tensors were): dicts are
 matched by key, never by position, and any other difference raises :class:`BreakOutputError`
 naming the break and the difference. Non-tensor values are part of the capture: later Python
-code saw the capture-time value.
+code saw the capture-time value, so a ``None``, bool, number or string returned directly in the
+structure (not inside a dataclass or plain object, whose other state bcg cannot judge) must come
+back equal at every replay, or the replay raises :class:`BreakOutputError` instead of returning
+what the capture-time value computed.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ class Bridge:
     others strongly. Without it every tensor is held strongly.
     """
 
-    __slots__ = ("_flat", "_meta", "_name", "_single", "_spec", "output", "pooled")
+    __slots__ = ("_flat", "_frozen", "_meta", "_name", "_single", "_spec", "output", "pooled")
 
     def __init__(
         self, name: str, output: Any, in_pool: Callable[[torch.Tensor], bool] | None = None
@@ -120,11 +123,17 @@ class Bridge:
             for i, d in enumerate(x for x in leaves if isinstance(x, torch.Tensor))
         ]
         self._single = isinstance(output, torch.Tensor)
+        # The plain values later code saw (leaf index, value): a replay must return them again.
+        self._frozen = tuple(
+            (i, x)
+            for i, (x, inside) in enumerate(zip(leaves, _trees.in_object(self._spec), strict=True))
+            if type(x) in _trees.PLAIN_VALUES and not inside
+        )
         # A flat tuple or list (transformers' attention returns ``(out, None)``) is matched by
         # position, without flattening: its type and which positions hold tensors, read once.
         self._flat: tuple[type, tuple[bool, ...]] | None = None
         if type(output) in (tuple, list) and all(
-            isinstance(x, torch.Tensor) or type(x) in _LEAF_TYPES for x in output
+            isinstance(x, torch.Tensor) or type(x) in _trees.PLAIN_VALUES for x in output
         ):
             self._flat = (type(output), tuple(isinstance(x, torch.Tensor) for x in output))
 
@@ -198,8 +207,10 @@ class Bridge:
                 if not isinstance(x, torch.Tensor):
                     return None
                 out.append(x)
-            elif type(x) not in _LEAF_TYPES:
+            elif type(x) not in _trees.PLAIN_VALUES:
                 return None
+        if self._frozen:  # the flat output's leaves are its items
+            self._check_frozen(items)
         return out
 
     def _match(self, fresh: Any) -> list[torch.Tensor]:
@@ -207,9 +218,11 @@ class Bridge:
         by key); raises :class:`BreakOutputError` when the structure changed."""
         leaves, spec = _trees.flatten(fresh)
         if spec == self._spec:
+            self._check_frozen(leaves)
             return [x for x in leaves if isinstance(x, torch.Tensor)]
         if _trees.same_up_to_key_order(spec, self._spec):
             by_path = dict(zip(_trees.key_paths(spec, "output"), leaves, strict=True))
+            self._check_frozen([by_path[p] for p in _trees.key_paths(self._spec, "output")])
             return [by_path[p] for p in self._tensor_paths()]
         where = _trees.difference(spec, self._spec)
         count = sum(isinstance(x, torch.Tensor) for x in leaves)
@@ -223,6 +236,22 @@ class Bridge:
             "the same structure every time (same container types, dict keys, fields and "
             "lengths, tensors where tensors were)."
         )
+
+    def _check_frozen(self, leaves: Sequence[Any]) -> None:
+        """Raise when a plain value in ``leaves`` (in the capture's leaf order) differs from
+        the capture-time one that the code after the break was captured with."""
+        for i, want in self._frozen:
+            got = leaves[i]
+            if _trees.same_value(got, want):
+                continue
+            where = _trees.key_paths(self._spec, "output")[i]
+            raise BreakOutputError(
+                f"break {self._name!r}: {where} is {got!r} at replay but was {want!r} at "
+                "capture, and the code after the break was captured with the capture-time "
+                "value, so this replay would compute with the stale one. Return the value as "
+                "a tensor (it is then bridged), or capture a graph per value (a runner keys "
+                "graphs on its call's plain arguments)."
+            )
 
     def _tensor_paths(self) -> list[str]:
         paths = _trees.key_paths(self._spec, "output")
@@ -265,10 +294,6 @@ class Bridge:
                 f"break {self._name!r}: {where} is {tuple(s.shape)} {s.dtype} at replay "
                 f"but was {tuple(d.shape)} {d.dtype} at capture; capture a graph per shape"
             )
-
-
-# Values a flat output may hold besides tensors: leaves for the tree walker, frozen at capture.
-_LEAF_TYPES = (type(None), bool, int, float, str)
 
 
 def _first(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:

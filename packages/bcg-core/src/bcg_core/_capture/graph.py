@@ -220,8 +220,9 @@ class BreakableCUDAGraph:
         Raises:
             ReplayError: the graph holds no successful capture (never captured, reset, or the
                 capture failed), or a breakable capture is active in this context.
-            BreakOutputError: a break returned another structure, or tensors of other number,
-                shapes or dtypes, than at capture.
+            BreakOutputError: a break returned another structure, tensors of other number,
+                shapes or dtypes, or other plain values (``None``, bools, numbers, strings),
+                than at capture.
         """
         if self._state is not _State.CAPTURED:
             raise ReplayError(self._not_ready())

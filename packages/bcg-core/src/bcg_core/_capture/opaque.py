@@ -30,6 +30,7 @@ import torch
 import torch.utils._pytree as pytree  # noqa: PLC2701
 
 from bcg_core._errors import BreakOutputError
+from bcg_core._trees import PLAIN_VALUES, same_value
 
 # Leaf types an opaque call may take besides tensors (what dynamo can put in a graph as a
 # constant); anything else (modules, plain objects) keeps a dynamo graph break. Symbolic numbers
@@ -271,6 +272,14 @@ def _real(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
             f"break {name!r} returned {spec} at run time, but {layout.out_spec} when "
             "torch.compile traced it: a compiled break must return one structure"
         )
+    for i, (got, want) in enumerate(zip(flat, layout.out_leaves, strict=True)):
+        if type(want) in PLAIN_VALUES and not same_value(got, want):
+            raise BreakOutputError(
+                f"break {name!r} returned {got!r} at run time as output leaf {i}, but {want!r} "
+                "when torch.compile traced it, and the compiled code after it uses the traced "
+                "value. Return the value as a tensor, or make it a value the call's arguments "
+                "decide (dynamo guards on those and recompiles)."
+            )
     return [x for x in flat if isinstance(x, torch.Tensor)]
 
 

@@ -219,7 +219,8 @@ class BreakableGraphRunner:
             itself with ``return_views=True``), or the eager result.
 
         Raises:
-            BreakOutputError: at replay, a break returned other tensors than at capture.
+            BreakOutputError: at replay, a break returned other tensors or plain values than at
+                capture.
             Exception: whatever the module raises on an eager run (a failed capture does not
                 raise: its signature is blocked and the call runs eagerly).
         """
