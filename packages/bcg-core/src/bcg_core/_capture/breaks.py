@@ -102,10 +102,10 @@ def eager_on_graph(
     records the break (``fullgraph=True`` works). To know the outputs, the compiler runs the
     ``capture_stub`` (else the function) once on fake tensors; non-tensor return values are
     frozen then (checked at every run like a replay's). A call with other arguments (a module,
-    a plain object) makes dynamo graph-break there and call the wrapper eagerly. Tensors the break writes must be among its
-    arguments: the compiler orders the code around the op by those alone. Usable bare
-    (``@eager_on_graph``) or configured (``@eager_on_graph(strict=True)``); the wrapper keeps
-    name and docstring.
+    a plain object) makes dynamo graph-break there and call the wrapper eagerly. Tensors the
+    break writes must be among its arguments: the compiler orders the code around the op by
+    those alone. Usable bare (``@eager_on_graph``) or configured
+    (``@eager_on_graph(strict=True)``); the wrapper keeps name and docstring.
 
     Args:
         fn: the function to mark, when used bare; None (the default) returns a decorator
