@@ -15,6 +15,11 @@ for the tiny decoder, also on CPU where only the host figures mean anything). Fo
    kernels ran (overlaps merged), the idle gaps inside the span (count of gaps over 5 us and
    their sum) and the time from the last kernel's end to the call's return. Kernels of graph
    replays included. The profiler slows the host; compare rows, not absolute figures.
+3. ``stamps`` (CUDA only): the first ``--steps`` steps of each graph's replay plan wrapped to
+   note the host time each starts and to record an event after it; per call the host time from
+   the call's start to each step, and the device time from the call's start to the end of each
+   step (medians): where a slower call falls behind, and whether the device waits for the host
+   there. The wrappers cost the same in every row.
 """
 
 from __future__ import annotations
@@ -126,11 +131,67 @@ def _trace(
     return out
 
 
+class _Stamps:
+    """Wraps a graph's first replay steps: host start times and device events per call."""
+
+    def __init__(self, graph: object, steps: int) -> None:
+        self.host = [0.0] * steps
+        self.events: list[torch.cuda.Event] = []
+        plan = list(graph._plan)  # type: ignore[attr-defined]
+        steps = min(steps, len(plan))
+        for j in range(steps):
+            plan[j] = self._wrap(plan[j], j)
+        graph._plan = tuple(plan)  # type: ignore[attr-defined]
+        self.steps = steps
+
+    def _wrap(self, run: Callable[[], object], j: int) -> Callable[[], None]:
+        def stamped() -> None:
+            self.host[j] = time.perf_counter()
+            run()
+            self.events[j].record()
+
+        return stamped
+
+    def arm(self) -> None:
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(self.steps)]
+
+
+def _stamps(
+    rows: dict[str, Callable[[], object]],
+    graphs: dict[str, object],
+    steps: int,
+    rounds: int,
+    device: torch.device,
+) -> dict[str, dict[str, list[list[float]]]]:
+    stamps = {id(g): _Stamps(g, steps) for g in {id(g): g for g in graphs.values()}.values()}
+    names = list(rows)
+    out: dict[str, dict[str, list[list[float]]]] = {n: {"host": [], "device": []} for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            st = stamps[id(graphs[name])]
+            st.arm()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            _sync(device)
+            start = time.perf_counter()
+            e0.record()
+            rows[name]()
+            e1.record()
+            _sync(device)
+            end = time.perf_counter()
+            host = [(h - start) * 1e6 for h in st.host] + [(end - start) * 1e6]
+            dev = [e0.elapsed_time(e) * 1e3 for e in st.events] + [e0.elapsed_time(e1) * 1e3]
+            out[name]["host"].append(host)
+            out[name]["device"].append(dev)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--trace-calls", type=int, default=12)
+    parser.add_argument("--stamp-steps", type=int, default=8)
+    parser.add_argument("--stamp-rounds", type=int, default=150)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -167,6 +228,27 @@ def main(argv: list[str] | None = None) -> None:
         for name in ROWS:
             vals = [statistics.median(tr[name][k]) if tr[name][k] else float("nan") for k in keys]
             print(f"  {name:24s} " + " ".join(f"{v:9.1f}" for v in vals))
+        keep = variants["_keep"]()
+        views, cloning = keep[3], keep[4]
+        graphs = {
+            "hand": keep[0],
+            RUNNER_GRAPH: next(iter(views._entries.values())).graph,
+            "runner_views": next(iter(views._entries.values())).graph,
+            "runner": next(iter(cloning._entries.values())).graph,
+        }
+        sp = _stamps(rows, graphs, args.stamp_steps, args.stamp_rounds, device)
+        result["stamps"] = sp
+        n = len(sp["hand"]["host"][0])
+        cols = [f"s{j}" for j in range(n - 1)] + ["end"]
+        for kind in ("host", "device"):
+            print(
+                f"  {kind} us from the call's start to each plan step's start (host) / end "
+                "(device), medians:"
+            )
+            print(f"  {'':24s} " + " ".join(f"{c:>8s}" for c in cols))
+            for name in ROWS:
+                vals = [statistics.median(v[j] for v in sp[name][kind]) for j in range(n)]
+                print(f"  {name:24s} " + " ".join(f"{v:8.1f}" for v in vals))
     gc.enable()
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
