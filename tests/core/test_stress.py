@@ -1,11 +1,12 @@
 """Stress: capture/replay/reset cycles of every kind in one process (issue 21).
 
 Cycles rotate through new graphs, graphs sharing a pool, runners, failing captures of every
-kind (a break raising, a host sync, an op refused during capture, an invalidated capture) and
-two threads capturing and replaying at once; after every cycle a long-lived graph, a graph
-sharing its pool and a runner still replay bitwise right. At the end the process is alive,
-and memory is flat: device memory allocated (and reserved, printed) on CUDA, live tensors on
-both backends.
+kind (a break raising, a host sync, an op refused during capture, an invalidated capture),
+failing replays (a break raising, or returning another shape or another plain value, in a graph
+and in a runner, which then replay right again) and two threads capturing and replaying at
+once; after every cycle a long-lived graph, a graph sharing its pool and a runner still replay
+bitwise right. At the end the process is alive, and memory is flat: device memory allocated
+(and reserved, printed) on CUDA, live tensors on both backends.
 
 The short form runs in CI (``BCG_STRESS_CYCLES`` unset: 240 cycles). The long form, on a GPU::
 
@@ -78,6 +79,25 @@ def _fail_invalidated(x: torch.Tensor) -> torch.Tensor:
 
 _FAILURES = (_fail_break, _fail_host_sync, _fail_refused, _fail_invalidated)
 
+# How the flaky break misbehaves at the next replay (None: it behaves).
+_flaky_mode: dict[str, str | None] = {"fail": None}
+_REPLAY_FAILURES = ("raise", "shape", "value")
+
+
+@eager_on_graph(name="stress_flaky")
+def _flaky(h: torch.Tensor) -> tuple[torch.Tensor, int]:
+    fail = _flaky_mode["fail"]
+    if fail == "raise":
+        raise RuntimeError("stress: break raised at replay")
+    if fail == "shape":
+        return h[:-1].tanh(), 0
+    return h.tanh(), 1 if fail == "value" else 0
+
+
+def _flaky_step(x: torch.Tensor) -> torch.Tensor:
+    y, n = _flaky(x * 2)
+    return y + 1 + n
+
 
 def _live_tensors() -> int:
     gc.collect()
@@ -111,6 +131,7 @@ class _Cycles:
         for n in (32, 16):
             self.runner.capture(torch.randn(n))
         self.failures = 0
+        self.replay_failures = 0
 
     def check_long_lived(self, i: int) -> None:
         value = torch.randn(64)
@@ -178,6 +199,29 @@ class _Cycles:
         assert torch.equal(out, _eager(x)), f"cycle {i}: recapture after {fn.__name__}"
         shared.reset()
 
+    def failing_replay(self, i: int) -> None:
+        fail = _REPLAY_FAILURES[self.replay_failures % len(_REPLAY_FAILURES)]
+        self.replay_failures += 1
+        x = torch.randn(16)
+        graph, out = capture(lambda: _flaky_step(x))
+        runner = BreakableGraphRunner(_flaky_step, device=self.device, warmup_iters=0)
+        runner.capture(x)
+        _flaky_mode["fail"] = fail
+        try:
+            with pytest.raises(RuntimeError):  # BreakOutputError for "shape" and "value"
+                graph.replay()
+            with pytest.raises(RuntimeError):
+                runner(x)
+        finally:
+            _flaky_mode["fail"] = None
+        value = torch.randn(16)
+        x.copy_(value)
+        graph.replay()
+        assert torch.equal(out, _eager(value)), f"cycle {i}: graph after a failed replay ({fail})"
+        assert torch.equal(runner(value), _eager(value)), f"cycle {i}: runner after ({fail})"
+        graph.reset()
+        runner.reset()
+
     def threads(self, i: int) -> None:
         errors: list[BaseException] = []
         start = threading.Barrier(2)
@@ -226,6 +270,7 @@ def test_stress_capture_replay_reset_cycles(device: str, caplog: pytest.LogCaptu
         cycles.failing,
         cycles.new_graph,
         cycles.failing,
+        cycles.failing_replay,
         cycles.threads,
     ]
     warm = 2 * len(kinds)  # every kind once or twice: lanes, workspaces, caches made
@@ -242,7 +287,8 @@ def test_stress_capture_replay_reset_cycles(device: str, caplog: pytest.LogCaptu
     memory_after, tensors_after = _device_memory(device), _live_tensors()
     mib = 1 << 20
     print(
-        f"\nstress[{device}]: {CYCLES} cycles ({cycles.failures} failing captures) in "
+        f"\nstress[{device}]: {CYCLES} cycles ({cycles.failures} failing captures, "
+        f"{cycles.replay_failures} failing replays) in "
         f"{seconds:.1f} s; allocated {memory_before[0] / mib:.1f} -> {memory_after[0] / mib:.1f} "
         f"MiB, reserved {memory_before[1] / mib:.1f} -> {memory_after[1] / mib:.1f} MiB, live "
         f"tensors {tensors_before} -> {tensors_after}"
