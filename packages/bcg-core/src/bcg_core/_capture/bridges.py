@@ -242,7 +242,7 @@ class Bridge:
         the capture-time one that the code after the break was captured with."""
         for i, want in self._frozen:
             got = leaves[i]
-            if _trees.same_value(got, want):
+            if got is want or _trees.same_value(got, want):  # `is`: None, small ints, bools
                 continue
             where = _trees.key_paths(self._spec, "output")[i]
             raise BreakOutputError(
