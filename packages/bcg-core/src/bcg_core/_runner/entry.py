@@ -22,6 +22,14 @@ def _cloner(output: Any) -> Callable[[], Any]:
     return lambda: _trees.map_tensors(output, torch.Tensor.clone)
 
 
+def _none_is_its_buffer(live: list[torch.Tensor], ptrs: tuple[int, ...]) -> bool:
+    # A loop, not all(...) over a generator: this runs before every replay's first launch.
+    for t, ptr in zip(live, ptrs, strict=True):  # noqa: SIM110
+        if t.data_ptr() == ptr:
+            return False
+    return True
+
+
 @dataclass
 class Entry:
     """A captured signature.
@@ -53,17 +61,30 @@ class Entry:
     _copy: tuple[int, ...] = field(init=False)
     _copy_dst: list[torch.Tensor] = field(init=False)
     _inputs: bool = field(init=False)
+    _only_copies: bool = field(init=False)
+    _dst_ptrs: tuple[int, ...] = field(init=False)
     clone: Callable[[], Any] = field(init=False)
 
     def __post_init__(self) -> None:
         self._copy = tuple(i for i in range(len(self.statics)) if i not in self.fill)
         self._copy_dst = [self.statics[i] for i in self._copy]
         self._inputs = bool(self.statics or self.scalars)
+        self._only_copies = bool(self.statics) and not self.fill and not self.scalars
+        self._dst_ptrs = tuple(t.data_ptr() for t in self.statics)
         self.clone = _cloner(self.output)
 
     def load(self, live: list[torch.Tensor], values: list[bool | int | float]) -> None:
         """Write one call's inputs into the static buffers."""
         if not self._inputs:  # a step without tensor or number arguments
+            return
+        if self._only_copies and _none_is_its_buffer(live, self._dst_ptrs):
+            # The serving case (every input a fresh device tensor) in the fewest steps: a call
+            # starts with the host behind the device, so each step here delays the replay.
+            if torch.is_grad_enabled():
+                with torch.no_grad():
+                    torch._foreach_copy_(self.statics, live)
+            else:
+                torch._foreach_copy_(self.statics, live)
             return
         statics = self.statics
         copy_unless_same(self._copy_dst, [live[i] for i in self._copy])

@@ -45,7 +45,9 @@ class PoolTurn:
                 it since), so no event can mark its work.
         """
         last = self._stream
-        if last is None or last == stream:
+        # Identity first: the backend hands out one object per stream, and Stream.__eq__ is
+        # Python code on a call's hot path.
+        if last is None or last is stream or last == stream:
             return
         self._check_not_capturing(last)
         event: DeviceEvent = self._backend.new_event()
