@@ -177,17 +177,20 @@ def static_buffer(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def copy_unless_same(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` in one batched copy, skipping pairs that already share their
-    memory; never recorded by autograd (no_grad is entered only when grad mode is on: entering
-    it costs more than the copy's launch)."""
+    """:func:`copy_all` of the pairs that do not already share their memory."""
     pairs = [(d, s) for d, s in zip(dst, src, strict=True) if d.data_ptr() != s.data_ptr()]
-    if not pairs:
-        return
+    if pairs:
+        copy_all([d for d, _ in pairs], [s for _, s in pairs])
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` in one batched copy, never recorded by autograd (no_grad is
+    entered only when grad mode is on: entering it costs more than the copy's launch)."""
     if torch.is_grad_enabled():
         with torch.no_grad():
-            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+            torch._foreach_copy_(dst, src)
     else:
-        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        torch._foreach_copy_(dst, src)
 
 
 def identity_objects(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:

@@ -12,7 +12,7 @@ import torch
 
 from bcg_core import _trees
 from bcg_core._capture.graph import BreakableCUDAGraph
-from bcg_core._signature import copy_unless_same
+from bcg_core._signature import copy_all, copy_unless_same
 
 
 def _cloner(output: Any) -> Callable[[], Any]:
@@ -80,11 +80,7 @@ class Entry:
         if self._only_copies and _none_is_its_buffer(live, self._dst_ptrs):
             # The serving case (every input a fresh device tensor) in the fewest steps: a call
             # starts with the host behind the device, so each step here delays the replay.
-            if torch.is_grad_enabled():
-                with torch.no_grad():
-                    torch._foreach_copy_(self.statics, live)
-            else:
-                torch._foreach_copy_(self.statics, live)
+            copy_all(self.statics, live)
             return
         statics = self.statics
         copy_unless_same(self._copy_dst, [live[i] for i in self._copy])
