@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     case = _decoder_case(device, args.smoke)
 
     variants = _variants(case, device)
-    runner = variants["_keep"]()[3]  # the return_views runner
+    runner = variants["_keep"]()["runner"]
+    runner.return_views = True
     (entry,) = runner._entries.values()
     stream = runner._graph_backend.current_stream(device)
     _, live = signature_and_tensors(case.args, {})

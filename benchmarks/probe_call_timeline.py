@@ -3,8 +3,9 @@
 
 ``python3 benchmarks/probe_call_timeline.py [--out DIR]`` (sources on PYTHONPATH; ``--smoke``
 for the tiny decoder, also on CPU where only the host figures mean anything). For the
-``bench_call_cost`` decoder-8b case, four ways of running one graph (``hand``, ``hand
-(runner's graph)``, ``runner_views``, ``runner``), every call synchronised:
+``bench_call_cost`` decoder-8b case, four ways of running it (``hand``, ``hand (own capture)``,
+``runner_views``, ``runner``: all but the second on the runner's graph), every call
+synchronised:
 
 1. ``events``: per call the host latency (call to result) and the device span between an event
    recorded just before the call and one recorded just after it (the device idle before: the
@@ -37,9 +38,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_call_cost import RUNNER_GRAPH, _decoder_case, _sync, _variants
+from bench_call_cost import OWN_CAPTURE, _decoder_case, _sync, _variants
 
-ROWS = ("hand", RUNNER_GRAPH, "runner_views", "runner")
+ROWS = ("hand", OWN_CAPTURE, "runner_views", "runner")
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -229,13 +230,8 @@ def main(argv: list[str] | None = None) -> None:
             vals = [statistics.median(tr[name][k]) if tr[name][k] else float("nan") for k in keys]
             print(f"  {name:24s} " + " ".join(f"{v:9.1f}" for v in vals))
         keep = variants["_keep"]()
-        views, cloning = keep[3], keep[4]
-        graphs = {
-            "hand": keep[0],
-            RUNNER_GRAPH: next(iter(views._entries.values())).graph,
-            "runner_views": next(iter(views._entries.values())).graph,
-            "runner": next(iter(cloning._entries.values())).graph,
-        }
+        graph = next(iter(keep["runner"]._entries.values())).graph
+        graphs = {"hand": graph, OWN_CAPTURE: keep["own"], "runner_views": graph, "runner": graph}
         sp = _stamps(rows, graphs, args.stamp_steps, args.stamp_rounds, device)
         result["stamps"] = sp
         n = len(sp["hand"]["host"][0])

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_grad_enabled(False)
     case = _decoder_case(device, args.smoke)
     variants = _variants(case, device)
-    runner = variants["_keep"]()[4]  # the cloning runner
+    runner = variants["_keep"]()["runner"]
     (entry,) = runner._entries.values()
     graph = entry.graph
     marks = [0.0]
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     def current(how: str) -> object:
         if how == "raw" and device.type == "cuda":
             return torch._C._cuda_getCurrentRawStream(index)
-        return runner._graph_backend.current_stream(runner.device)
+        return runner._graph_backend.current_stream(runner._stream_device)
 
     def replica(how: str = "entry", stream_how: str = "backend") -> list[float]:
         t = [time.perf_counter()]

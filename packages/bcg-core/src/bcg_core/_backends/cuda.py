@@ -89,6 +89,7 @@ class CudaBackend:
         self._streams: dict[tuple[int, int], torch.cuda.Stream] = {}
         self._lock = threading.Lock()
         self._available = False  # True once seen: CUDA does not leave a process
+        self._initialized = False  # likewise for torch's CUDA state
 
     def is_available(self) -> bool:
         if self._available:
@@ -134,8 +135,11 @@ class CudaBackend:
         return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
     def current_stream(self, device: Any = None) -> torch.cuda.Stream:
-        if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            return torch.cuda.current_stream(device)
+        if not self._initialized:
+            if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+                return torch.cuda.current_stream(device)
+            with self._lock:
+                self._initialized = True
         index = torch._C._cuda_getDevice() if device is None else device_index(device)
         key = (index, torch._C._cuda_getCurrentRawStream(index))
         stream = self._streams.get(key)

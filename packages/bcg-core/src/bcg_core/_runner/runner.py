@@ -180,6 +180,12 @@ class BreakableGraphRunner:
         self.capture_error_mode = capture_error_mode
         self.disabled_reason: str | None = None
         self._graph_backend = backend_for_device(self.device)
+        # What a replay asks the current stream of: None for a device without an index (the
+        # current one), which the backend reads in one C call instead of resolving the device.
+        self._stream_device: torch.device | None = (
+            self.device if self.device.index is not None else None
+        )
+        self._backend_seen = False  # the backend was available once (CUDA does not leave)
         self._pool = pool
         self._owns_pool = pool is None
         turn = PoolTurn(self._graph_backend)
@@ -501,6 +507,12 @@ class BreakableGraphRunner:
         )
 
     def _can_graph(self) -> bool:
+        # A replay's first check, flat: a call starts with the host behind the device.
+        if self._backend_seen and self.disabled_reason is None and not breakable_graphs_disabled():
+            return True
+        return self._can_graph_slow()
+
+    def _can_graph_slow(self) -> bool:
         if self.disabled_reason is not None:
             return False
         if breakable_graphs_disabled():
@@ -522,6 +534,7 @@ class BreakableGraphRunner:
                     type(self).__name__,
                 )
             return False
+        self._backend_seen = True
         return True
 
     def _capture(
@@ -653,7 +666,7 @@ class BreakableGraphRunner:
         return self.module(*call[0], **call[1])
 
     def _replay(self, entry: Entry, live: list[torch.Tensor], values: list[Any]) -> Any:
-        stream = self._graph_backend.current_stream(self.device)
+        stream = self._graph_backend.current_stream(self._stream_device)
         turn = self._turn
         # Static buffers and pool memory are free once the last use of the pool is done.
         turn.wait(stream)
