@@ -241,9 +241,13 @@ class BreakableGraphRunner:
             sig, live = signature_and_tensors(call_args, call_kwargs)
             entry = self._entries.get(sig)
             if entry is not None:
-                self._entries.move_to_end(sig)
-                self._counts["hits"] += 1
-                return self._replay(entry, live, values)
+                try:
+                    return self._replay(entry, live, values)
+                finally:
+                    # Bookkeeping after the launch: a call starts with the host behind the device.
+                    self._counts["hits"] += 1
+                    if sig in self._entries:  # a break may have re-entered and evicted it
+                        self._entries.move_to_end(sig)
             if sig not in self._blocked and self._window > 0:
                 return self._capture(sig, (args, kwargs), (call_args, call_kwargs), live, values)
             self._counts["misses"] += 1
