@@ -194,22 +194,26 @@ def test_slots_of_every_class_and_private_names_are_in_the_signature() -> None:
 # -- static buffers under grad mode --------------------------------------------------------------
 
 
-def test_static_buffers_keep_no_autograd_history(device: str) -> None:
+@pytest.mark.parametrize("n", [1, 6])  # one copy_ each, and one batched _foreach_copy_
+def test_static_buffers_keep_no_autograd_history(device: str, n: int) -> None:
     # Before issue 21 the buffers were t.clone() and every call's copy extended their autograd
     # history: all callers' graphs stayed alive.
-    runner = BreakableGraphRunner(lambda x: x * 3, device=device)
+    runner = BreakableGraphRunner(
+        lambda *xs: sum(x * (k + 1) for k, x in enumerate(xs)), device=device
+    )
     w = torch.ones(4, requires_grad=True)
-    runner.capture(w * 2)
+    runner.capture(*(w * 2 for _ in range(n)))
     inputs = []
     for i in range(20):
-        y = w * (i + 1)
-        inputs.append(weakref.ref(y))
-        out = runner(y)
-        assert torch.equal(out, (y * 3).detach())
-        del y
+        ys = [w * (i + k + 1) for k in range(n)]
+        inputs.extend(weakref.ref(y) for y in ys)
+        out = runner(*ys)
+        assert torch.equal(out, sum(y * (k + 1) for k, y in enumerate(ys)).detach())
+        del ys
     gc.collect()
     assert all(r() is None for r in inputs)
     (entry,) = runner._entries.values()
+    assert len(entry.statics) == n
     assert all(s.grad_fn is None and not s.requires_grad for s in entry.statics)
 
 

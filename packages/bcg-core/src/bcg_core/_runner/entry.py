@@ -36,13 +36,14 @@ class Entry:
 
     ``statics`` are the static buffers of the call's tensors in containers, in signature walk
     order; ``scalars`` the 0-dim buffers of lifted Python numbers. At each call a live tensor
-    is copied into its buffer with one batched ``_foreach_copy_`` (skipped when it already is
-    the buffer), except those at the positions in ``fill`` (0-dim CPU tensors whose buffer
-    lives on a device): they are written with ``fill_``, which passes the value as a kernel
-    argument, where a host-to-device copy would synchronise the stream. The buffers at the
-    positions in ``written`` are the arguments the graph writes in place (their version
-    counters moved during the capture): after each replay they are copied back into the
-    caller's tensors (:meth:`store`), so an in-place update is never lost.
+    is copied into its buffer (``copy_all``: one ``copy_`` each for a few, one batched
+    ``_foreach_copy_`` for more; skipped when it already is the buffer), except those at the
+    positions in ``fill`` (0-dim CPU tensors whose buffer lives on a device): they are written
+    with ``fill_``, which passes the value as a kernel argument, where a host-to-device copy
+    would synchronise the stream. The buffers at the positions in ``written`` are the arguments
+    the graph writes in place (their version counters moved during the capture): after each
+    replay they are copied back into the caller's tensors (:meth:`store`), so an in-place update
+    is never lost.
     """
 
     graph: BreakableCUDAGraph
