@@ -185,7 +185,6 @@ class BreakableGraphRunner:
         self._stream_device: torch.device | None = (
             self.device if self.device.index is not None else None
         )
-        self._backend_seen = False  # the backend was available once (CUDA does not leave)
         self._pool = pool
         self._owns_pool = pool is None
         turn = PoolTurn(self._graph_backend)
@@ -469,7 +468,7 @@ class BreakableGraphRunner:
                 return entry.static_call
 
             # Ordered with the pool's replays on other streams, as a call is.
-            stream = self._graph_backend.current_stream(self.device)
+            stream = self._graph_backend.current_stream(self._stream_device)
             self._turn.wait(stream)
             try:
                 return runner_divergence(
@@ -511,12 +510,6 @@ class BreakableGraphRunner:
         )
 
     def _can_graph(self) -> bool:
-        # A replay's first check, flat: a call starts with the host behind the device.
-        if self._backend_seen and self.disabled_reason is None and not breakable_graphs_disabled():
-            return True
-        return self._can_graph_slow()
-
-    def _can_graph_slow(self) -> bool:
         if self.disabled_reason is not None:
             return False
         if breakable_graphs_disabled():
@@ -538,7 +531,6 @@ class BreakableGraphRunner:
                     type(self).__name__,
                 )
             return False
-        self._backend_seen = True
         return True
 
     def _capture(
