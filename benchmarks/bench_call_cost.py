@@ -53,7 +53,7 @@ import pstats
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -192,8 +192,8 @@ def _variants(case: Case, device: torch.device) -> dict[str, Callable[[], object
     statics = entry.statics
     out = entry.output
 
-    def load() -> None:
-        for s, a in zip(statics, case.args, strict=True):
+    def load(into: Sequence[torch.Tensor] = statics) -> None:
+        for s, a in zip(into, case.args, strict=True):
             s.copy_(a)
 
     def hand() -> torch.Tensor:
@@ -212,8 +212,7 @@ def _variants(case: Case, device: torch.device) -> dict[str, Callable[[], object
             own_out = case.step(*own_statics)
 
     def own_capture() -> torch.Tensor:
-        for s, a in zip(own_statics, case.args, strict=True):
-            s.copy_(a)
+        load(own_statics)
         own.replay()
         return own_out
 

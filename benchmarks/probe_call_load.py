@@ -19,7 +19,6 @@ import argparse
 import gc
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_call_cost import _decoder_case, _sync, _variants
+from probe_call_timeline import _events
 
 from bcg_core._signature import signature_and_tensors
 
@@ -37,7 +37,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=400)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cuda = device.type == "cuda"
     torch.set_grad_enabled(False)
     case = _decoder_case(device, args.smoke)
     runner = _variants(case, device)["_keep"]()["runner"]
@@ -97,23 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     _sync(device)
     gc.collect()
     gc.disable()
-    names = list(rows)
-    out: dict[str, dict[str, list[float]]] = {n: {"host": [], "device": []} for n in names}
-    for r in range(args.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            _sync(device)
-            if cuda:
-                e0 = torch.cuda.Event(enable_timing=True)
-                e1 = torch.cuda.Event(enable_timing=True)
-                e0.record()
-            start = time.perf_counter()
-            rows[name]()
-            if cuda:
-                e1.record()
-            _sync(device)
-            out[name]["host"].append((time.perf_counter() - start) * 1e6)
-            out[name]["device"].append(e0.elapsed_time(e1) * 1e3 if cuda else 0.0)
+    out = _events(rows, args.rounds, device)
     gc.enable()
+    names = list(rows)
     base = out[names[0]]
     print(f"decoder-8b{' (smoke)' if args.smoke else ''} on {device.type}, sync calls, us")
     print(f"  {'':28s} {'host':>9s} {'vs row 1':>9s} {'device':>9s} {'vs row 1':>9s}")
