@@ -128,6 +128,57 @@ def test_eviction_and_reset_release_graphs(device: str) -> None:
     assert torch.equal(shared(y), _eager(y))
 
 
+def _mix(x: torch.Tensor, scale: int, *, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _squash(x * scale + a * 2) + b * 3
+
+
+def _mix_eager(x: torch.Tensor, scale: int, *, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (x * scale + a * 2).tanh() + b * 3
+
+
+def test_a_repeated_call_skips_its_signature_but_never_replays_another(device: str) -> None:
+    # The runner's guard of its last hit (FlatGuard) must send every call that differs in
+    # shape, dtype, constant or keyword names to the signature, and must die with its entry.
+    runner = BreakableGraphRunner(_mix, device=device, max_entries=2)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def call(
+        shape: tuple[int, ...],
+        scale: int = 2,
+        dtype: torch.dtype = torch.float32,
+        flip: bool = False,
+    ) -> None:
+        x, a, b = (torch.randn(shape, generator=gen, device="cpu").to(device, dtype) for _ in "xab")
+        out = runner(x, scale, b=b, a=a) if flip else runner(x, scale, a=a, b=b)
+        assert torch.equal(out, _mix_eager(x, scale, a=a, b=b)), (shape, scale, dtype, flip)
+
+    with runner.warmup():
+        call((2, 6))
+    for flip in (False, True, False, True):
+        call((2, 6), flip=flip)  # keywords in either order: one signature, inputs kept apart
+    assert runner.stats.hits == 4 and runner.stats.misses == 0
+    assert runner._last is not None  # the guard path is the one exercised from here
+    others = [((3, 6), 2, torch.float32), ((2, 6), 4, torch.float32)]
+    others += [((2, 6), 2, torch.float64), ((2, 6, 1), 2, torch.float32)]
+    for shape, scale, dtype in others:
+        call(shape, scale, dtype)
+        call((2, 6))
+    assert runner.stats.misses == 4 and runner.stats.hits == 8
+    with runner.warmup():
+        call((3, 6), 3)
+        call((4, 6))  # evicts the (2, 6) graph: the guard of its last hit goes with it
+    assert runner.stats.evictions == 1
+    call((2, 6))
+    assert runner.stats.misses == 5
+    for _ in range(3):
+        call((3, 6), 3, flip=True)
+        call((4, 6))
+    assert runner.stats.hits == 14
+    runner.reset()
+    call((4, 6))  # after reset nothing replays
+    assert runner.stats.misses == 1 and runner.stats.hits == 0
+
+
 # -- Python scalars -----------------------------------------------------------------------------
 
 

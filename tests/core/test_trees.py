@@ -375,3 +375,45 @@ def test_the_flat_fast_path_gives_the_walks_signature() -> None:
     assert signature_and_tensors((), {"x": a})[0] != signature_and_tensors((), {"x": 1})[0]
     assert signature_and_tensors((a,), {})[0] != signature_and_tensors((), {"x": a})[0]
     assert signature_and_tensors((a,), {})[0] != signature_and_tensors((b,), {})[0]
+
+
+def test_the_guard_of_a_flat_call_passes_exactly_the_calls_of_its_signature() -> None:
+    # A runner replays its last hit when FlatGuard.match passes: a pass where the signature
+    # differs would replay the wrong graph. Random flat calls, every pair compared both ways.
+    import random
+
+    from bcg_core._signature import FlatGuard, ScalarInput, signature_and_tensors  # noqa: PLC2701
+
+    marker = ScalarInput(float)
+    leaves: list[Any] = [
+        torch.zeros(2, 3), torch.zeros(3, 2), torch.zeros(2, 3, dtype=torch.float64),
+        torch.zeros(2, 3, device="meta"), torch.ones(2, 3), torch.zeros(()),
+        1, 2, True, 1.0, -0.0, 0.0, "a", None, torch.int8, torch.device("cpu"), marker,
+    ]  # fmt: skip
+    rng = random.Random(0)
+
+    def a_call() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args = tuple(rng.choice(leaves) for _ in range(rng.randint(0, 2)))
+        names = rng.sample(["t", "h", "z"], rng.randint(0, 2))
+        return args, {n: rng.choice(leaves) for n in names}
+
+    calls = [a_call() for _ in range(300)]
+    passes = 0
+    for first in calls:
+        guard = FlatGuard.of(*first)
+        assert guard is not None
+        sig = signature_and_tensors(*first)[0]
+        for other in calls:
+            other_sig, other_live = signature_and_tensors(*other)
+            live = guard.match(*other)
+            if live is not None:
+                passes += 1
+                assert other_sig == sig, (first, other)
+                assert len(live) == len(other_live)
+                assert all(t is u for t, u in zip(live, other_live, strict=True))
+            else:
+                assert other_sig != sig, (first, other)
+    assert passes > 300  # every call matches itself, and some others do
+    # Not flat: containers and objects are left to the walk.
+    assert FlatGuard.of(([torch.zeros(1)],), {}) is None
+    assert FlatGuard.of((object(),), {}) is None

@@ -19,6 +19,8 @@ container types, dict keys, field and attribute names, lengths) plus one key per
 
 A call of plain tensors, plain values and lifted scalars only (the serving hot path, positional
 or keyword) skips the walk: its signature is built directly, equal to the one the walk gives.
+A runner repeating such a call skips even that: a :class:`FlatGuard` of its last hit compares
+the call's leaves with the hit's.
 """
 
 from __future__ import annotations
@@ -116,6 +118,73 @@ def _flat_signature(
             return None
         kinds.append(cls is torch.Tensor)
     return (_flat_spec(len(args), names, tuple(kinds)), tuple(keys)), live
+
+
+class FlatGuard:
+    """A test that a call has the signature of one earlier flat call (plain tensors, plain
+    values and lifted scalars, positional or keyword: the calls :func:`signature_and_tensors`
+    builds without the walk), cheaper than building and hashing the signature: a runner keeps
+    one for its last hit, so a decode loop repeating one shape skips the signature.
+
+    :meth:`match` never passes a call whose signature differs (the same positions and keyword
+    names, the same tensor or not at each, equal shapes, dtypes, devices and constants); it
+    may refuse one whose signature is equal (a lifted scalar is matched by identity, a NaN
+    never), and the caller then asks the signature itself.
+    """
+
+    __slots__ = ("_n_args", "_names", "_others", "_tensors")
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raises ``TypeError`` for a call that is not flat (see :meth:`of`)."""
+        self._n_args = len(args)
+        self._names = tuple(sorted(kwargs))
+        tensors: list[tuple[int, torch.Size, torch.dtype, torch.device]] = []
+        others: list[tuple[int, type, Any]] = []
+        for i, leaf in enumerate((*args, *(kwargs[n] for n in self._names))):
+            cls = type(leaf)
+            if cls is torch.Tensor:
+                tensors.append((i, leaf.shape, leaf.dtype, leaf.device))
+            elif cls is ScalarInput or cls in _trees.SCALARS:
+                others.append((i, cls, leaf))
+            else:
+                raise TypeError(f"not a flat call: a leaf is a {cls.__qualname__}")
+        self._tensors = tuple(tensors)
+        self._others = tuple(others)
+
+    @classmethod
+    def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FlatGuard | None:
+        """The guard of a flat call; None for any other call."""
+        try:
+            return cls(args, kwargs)
+        except TypeError:
+            return None
+
+    def match(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
+        """The call's tensors in signature walk order when it has the guarded signature, else
+        None."""
+        names = self._names
+        if len(args) != self._n_args or len(kwargs) != len(names):
+            return None
+        if names:
+            try:
+                leaves = (*args, *(kwargs[n] for n in names))
+            except KeyError:  # another name (the count was equal)
+                return None
+        else:
+            leaves = args
+        for i, cls, value in self._others:
+            leaf = leaves[i]
+            if type(leaf) is not cls or not (leaf is value or leaf == value):
+                return None
+        live: list[torch.Tensor] = []
+        for i, shape, dtype, device in self._tensors:
+            t = leaves[i]
+            if type(t) is not torch.Tensor or t.shape != shape or t.dtype != dtype:
+                return None
+            if t.device != device:
+                return None
+            live.append(t)
+        return live
 
 
 def signature_and_tensors(

@@ -32,6 +32,7 @@ from bcg_core._runner.progress import capture_progress
 from bcg_core._runner.scalars import ScalarSlots
 from bcg_core._runner.stats import CaptureReport, EntryStats, GraphMemory, RunnerStats
 from bcg_core._signature import (
+    FlatGuard,
     Signature,
     describe_difference,
     describe_signature,
@@ -195,6 +196,8 @@ class BreakableGraphRunner:
         self._window = 0
         self._discard_outputs = False  # capture_many: no clone of outputs nobody reads
         self._entries: OrderedDict[Signature, Entry] = OrderedDict()
+        # The last hit's guard, signature and entry (see _guard_last).
+        self._last: tuple[FlatGuard, Signature, Entry] | None = None
         self._blocked: dict[Signature, str] = {}
         self._logged_misses: set[Signature] = set()
         self._no_cuda_noticed = False
@@ -237,8 +240,15 @@ class BreakableGraphRunner:
                 call_args, call_kwargs = args, kwargs
             else:
                 call_args, call_kwargs, values = self._lift(args, kwargs)
-            sig, live = signature_and_tensors(call_args, call_kwargs)
-            entry = self._entries.get(sig)
+            last = self._last
+            guarded = None if last is None else last[0].match(call_args, call_kwargs)
+            entry: Entry | None
+            if last is not None and guarded is not None:
+                _, sig, entry = last
+                live = guarded
+            else:
+                sig, live = signature_and_tensors(call_args, call_kwargs)
+                entry = self._entries.get(sig)
             if entry is not None:
                 try:
                     return self._replay(entry, live, values)
@@ -247,6 +257,8 @@ class BreakableGraphRunner:
                     self._counts["hits"] += 1
                     if sig in self._entries:  # a break may have re-entered and evicted it
                         self._entries.move_to_end(sig)
+                        if guarded is None:
+                            self._guard_last(sig, entry, call_args, call_kwargs)
             if sig not in self._blocked and self._window > 0:
                 return self._capture(sig, (args, kwargs), (call_args, call_kwargs), live, values)
             self._counts["misses"] += 1
@@ -399,6 +411,7 @@ class BreakableGraphRunner:
             for entry in self._entries.values():
                 entry.graph.reset()
             self._entries.clear()
+            self._last = None
             self._blocked.clear()
             self._logged_misses.clear()
             self.disabled_reason = None
@@ -621,6 +634,7 @@ class BreakableGraphRunner:
         self._entries[sig] = entry
         while len(self._entries) > self.max_entries:
             _, old = self._entries.popitem(last=False)
+            self._last = None
             self._turn.drain()  # its last replay may still run on some stream
             old.graph.reset()
             self._counts["evictions"] += 1
@@ -681,6 +695,14 @@ class BreakableGraphRunner:
             turn.record(stream)
         entry.replays += 1
         return out
+
+    def _guard_last(
+        self, sig: Signature, entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Keep a :class:`FlatGuard` of this hit, so that a call repeating it skips building
+        and hashing its signature. Dropped whenever an entry leaves ``_entries``."""
+        guard = FlatGuard.of(args, kwargs)
+        self._last = None if guard is None else (guard, sig, entry)
 
     def _diagnose_miss(self, sig: Signature) -> None:
         logged = self._logged_misses
