@@ -13,11 +13,10 @@ from typing import Any, Literal
 import torch
 
 from bcg_core._backends import backend_for_device
-from bcg_core._capture.capture import CAPTURE_ERROR_MODES, BreakableCUDAGraphCapture
+from bcg_core._capture.capture import CAPTURE_ERROR_MODES
 from bcg_core._capture.flag import (
     breakable_graphs_disabled,
     disabled_reason,
-    enable_breakable_cuda_graph,
     flag_on,
     flag_reset,
 )
@@ -26,7 +25,9 @@ from bcg_core._diagnostics.divergence import runner_divergence
 from bcg_core._diagnostics.divergence_report import DivergenceReport
 from bcg_core._errors import ConcurrentCaptureError
 from bcg_core._runner.calls import Call, call_bytes, call_shapes, check_call
+from bcg_core._runner.capture_entry import capture_entry
 from bcg_core._runner.entry import Entry
+from bcg_core._runner.misses import MissLog
 from bcg_core._runner.pool import PoolTurn, share_turn
 from bcg_core._runner.progress import capture_progress
 from bcg_core._runner.scalars import ScalarSlots
@@ -36,15 +37,11 @@ from bcg_core._signature import (
     Signature,
     describe_difference,
     describe_signature,
-    identity_objects,
     signature_and_tensors,
-    static_buffer,
-    static_call,
 )
 
 logger = logging.getLogger("bcg_core")
 
-MISS_LOG_LIMIT = 8
 """Distinct missed signatures logged with their details; later misses are only counted."""
 
 
@@ -199,7 +196,7 @@ class BreakableGraphRunner:
         # The last hit's guard, signature and entry (see _guard_last).
         self._last: tuple[FlatGuard, Signature, Entry] | None = None
         self._blocked: dict[Signature, str] = {}
-        self._logged_misses: set[Signature] = set()
+        self._misses = MissLog(type(self).__name__)
         self._no_cuda_noticed = False
         self._disabled_noticed = False
         self._counts = {"hits": 0, "misses": 0, "captures": 0, "failed": 0, "evictions": 0}
@@ -262,7 +259,7 @@ class BreakableGraphRunner:
             if sig not in self._blocked and self._window > 0:
                 return self._capture(sig, (args, kwargs), (call_args, call_kwargs), live, values)
             self._counts["misses"] += 1
-            self._diagnose_miss(sig)
+            self._misses.note(sig, self._blocked, self._entries)
             return self.module(*args, **kwargs)
 
     # -- capture control ----------------------------------------------------------------------
@@ -413,7 +410,7 @@ class BreakableGraphRunner:
             self._entries.clear()
             self._last = None
             self._blocked.clear()
-            self._logged_misses.clear()
+            self._misses.clear()
             self.disabled_reason = None
             self._counts = dict.fromkeys(self._counts, 0)
             if self._owns_pool:
@@ -554,53 +551,33 @@ class BreakableGraphRunner:
         live: list[torch.Tensor],
         values: list[Any],
     ) -> Any:
-        backend, device = self._graph_backend, self.device
-        statics: list[torch.Tensor] = []
-        fill: list[int] = []
-
-        def make_static(t: torch.Tensor) -> torch.Tensor:
-            buf = static_buffer(t, device)
-            if t.dim() == 0 and t.is_cpu and not buf.is_cpu:
-                fill.append(len(statics))
-            statics.append(buf)
-            return buf
-
-        static_args, static_kwargs = static_call(*lifted, make_static)
-        scalars: list[torch.Tensor] = []
-        if values:
-            static_args, static_kwargs, scalars = self._scalars.place(
-                static_args, static_kwargs, values, device
-            )
-        pool = self.pool
-        graph = BreakableCUDAGraph(pool=pool, backend=backend.name)
-        # Static buffers and scalar slots are device memory the graph re-reads at every replay.
-        backend.note_graph_memory(pool, [*statics, *scalars])
-        current, lane = backend.current_stream(device), self.stream
-        started = time.perf_counter()
+        pool, lane = self.pool, self.stream
+        current = self._graph_backend.current_stream(self.device)
         try:
-            # Warm-ups where the capture will run, their allocations in the pool: the capture
-            # reuses the blocks they freed (DESIGN.md, "Warm-ups in the pool").
-            with graph.warmup(), enable_breakable_cuda_graph():
-                # They may reuse pool memory that the last replay (on any stream) still uses.
-                self._turn.wait(lane)
-                for _ in range(self.warmup_iters):
-                    self.module(*static_args, **static_kwargs)
-            backend.synchronize((lane,))  # start-up only: the capture's own time is reported
-            versions = [t._version for t in statics]
-            captured = time.perf_counter()
-            with (
-                enable_breakable_cuda_graph(),
-                BreakableCUDAGraphCapture(graph, capture_error_mode=self.capture_error_mode),
-            ):
-                output = self.module(*static_args, **static_kwargs)
-            backend.synchronize((lane,))
-            done = time.perf_counter()
+            entry = capture_entry(
+                self.module,
+                call,
+                lifted,
+                live,
+                values,
+                backend=self._graph_backend,
+                device=self.device,
+                pool=pool,
+                lane=lane,
+                turn=self._turn,
+                scalars=self._scalars,
+                warmups=self.warmup_iters,
+                capture_error_mode=self.capture_error_mode,
+            )
         except BaseException as exc:
-            current.wait_stream(lane)  # before the static buffers are freed
-            self._discard(graph)
+            if self._owns_pool:
+                # A capture that failed half-way can leave torch routing host allocations to
+                # the pool; later captures start in a fresh one (the graphs made keep theirs).
+                self._pool = None
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt, SystemExit: the pool rule kept, the signature not blamed
             return self._capture_failed(sig, exc, call)
+        graph = entry.graph
         if self.max_segments is not None and graph.num_segments > self.max_segments:
             self.disabled_reason = (
                 f"a capture produced {graph.num_segments} graph segments, more than "
@@ -609,27 +586,6 @@ class BreakableGraphRunner:
             graph.reset()
             logger.warning("bcg: runner disabled: %s", self.disabled_reason)
             return self.module(*call[0], **call[1])
-        entry = Entry(
-            graph=graph,
-            statics=statics,
-            fill=tuple(fill),
-            scalars=scalars,
-            output=output,
-            static_call=(static_args, static_kwargs),
-            keep_alive=identity_objects(*call),
-            capture_runs=self.warmup_iters + 1,
-            capture_ms=(done - captured) * 1e3,
-            pool_bytes=graph.pool_bytes(),
-            warmup_ms=(captured - started) * 1e3,
-            # Arguments the captured step wrote in place (a KV cache, a position advanced):
-            # copied back after every replay, as eager would have left them. (An in-place
-            # change of shape, such as unsqueeze_, is not replayed by a graph: nothing to copy.)
-            written=tuple(
-                i
-                for i, t in enumerate(statics)
-                if t._version != versions[i] and t.shape == live[i].shape
-            ),
-        )
         self._counts["captures"] += 1
         self._entries[sig] = entry
         while len(self._entries) > self.max_entries:
@@ -642,17 +598,9 @@ class BreakableGraphRunner:
         # output holds this call's result: no replay is needed.
         entry.store(live)
         # (A clone capture_many discards would stay cached outside the pool.)
-        result = output if self.return_views or self._discard_outputs else entry.clone()
+        result = entry.output if self.return_views or self._discard_outputs else entry.clone()
         self._turn.record(current)
         return result
-
-    def _discard(self, graph: BreakableCUDAGraph) -> None:
-        """Drop a graph whose capture did not finish, however it ended."""
-        graph.reset()
-        if self._owns_pool:
-            # A capture that failed half-way can leave torch routing host allocations to the
-            # pool; later captures start in a fresh one (the graphs already made keep theirs).
-            self._pool = None
 
     def _capture_failed(self, sig: Signature, exc: Exception, call: Call) -> Any:
         self._counts["failed"] += 1
@@ -703,28 +651,6 @@ class BreakableGraphRunner:
         and hashing its signature. Dropped whenever an entry leaves ``_entries``."""
         guard = FlatGuard.of(args, kwargs)
         self._last = None if guard is None else (guard, sig, entry)
-
-    def _diagnose_miss(self, sig: Signature) -> None:
-        logged = self._logged_misses
-        if sig in logged or len(logged) > MISS_LOG_LIMIT:
-            return
-        logged.add(sig)
-        if len(logged) > MISS_LOG_LIMIT:
-            logger.warning(
-                "bcg: %s: further misses are not logged; stats.misses counts them",
-                type(self).__name__,
-            )
-            return
-        if sig in self._blocked:
-            why = f"its capture failed earlier ({self._blocked[sig]})"
-        else:
-            why = describe_difference(sig, list(self._entries))
-        logger.warning(
-            "bcg: %s has no graph for this call and runs it eagerly (captures happen only in "
-            "capture() or a warmup() window): %s",
-            type(self).__name__,
-            why,
-        )
 
 
 def _note_storage(seen: dict[int, int], t: torch.Tensor) -> None:

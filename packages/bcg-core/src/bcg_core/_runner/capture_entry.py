@@ -1,0 +1,117 @@
+"""One capture of a runner: static buffers for the call, warm-ups and the capture on the pool's
+lane, and the :class:`Entry` that replays it. The runner decides what a failure means (block
+the signature, renew the pool); this module only guarantees that a failed capture leaves
+nothing behind."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from bcg_core._backends import GraphBackend
+from bcg_core._capture.capture import BreakableCUDAGraphCapture
+from bcg_core._capture.flag import enable_breakable_cuda_graph
+from bcg_core._capture.graph import BreakableCUDAGraph
+from bcg_core._runner.calls import Call
+from bcg_core._runner.entry import Entry
+from bcg_core._runner.pool import PoolTurn
+from bcg_core._runner.scalars import ScalarSlots
+from bcg_core._signature import identity_objects, static_buffer, static_call
+
+
+def capture_entry(
+    module: Any,
+    call: Call,
+    lifted: Call,
+    live: list[torch.Tensor],
+    values: list[Any],
+    *,
+    backend: GraphBackend,
+    device: torch.device,
+    pool: Any,
+    lane: Any,
+    turn: PoolTurn,
+    scalars: ScalarSlots,
+    warmups: int,
+    capture_error_mode: str,
+) -> Entry:
+    """Capture ``module`` called with ``lifted`` (the call with its lifted scalars as
+    markers) into ``pool`` on ``lane`` and return its entry; its output holds this call's
+    result (the capture executed the step).
+
+    ``warmups`` eager runs go first, on the lane with their allocations in the pool: the
+    capture reuses the blocks they freed (DESIGN.md, "Warm-ups in the pool"); they wait for the
+    pool's last use (``turn``), which may still run on any stream. ``call`` is the caller's
+    call (the objects it refers to by identity are kept alive with the entry), ``live`` its
+    tensors in containers, ``values`` its lifted numbers (placed into 0-dim buffers by
+    ``scalars``); ``capture_error_mode`` is CUDA's.
+
+    Raises:
+        BaseException: whatever the warm-ups or the capture raised, after the graph was reset
+            and the current stream made to wait for the lane (the static buffers may then be
+            freed). The pool may hold routing left by a capture that failed half-way: the
+            caller decides whether to renew it.
+    """
+    statics: list[torch.Tensor] = []
+    fill: list[int] = []
+
+    def make_static(t: torch.Tensor) -> torch.Tensor:
+        buf = static_buffer(t, device)
+        if t.dim() == 0 and t.is_cpu and not buf.is_cpu:
+            fill.append(len(statics))
+        statics.append(buf)
+        return buf
+
+    static_args, static_kwargs = static_call(*lifted, make_static)
+    slots: list[torch.Tensor] = []
+    if values:
+        static_args, static_kwargs, slots = scalars.place(
+            static_args, static_kwargs, values, device
+        )
+    graph = BreakableCUDAGraph(pool=pool, backend=backend.name)
+    # Static buffers and scalar slots are device memory the graph re-reads at every replay.
+    backend.note_graph_memory(pool, [*statics, *slots])
+    current = backend.current_stream(device)
+    started = time.perf_counter()
+    try:
+        with graph.warmup(), enable_breakable_cuda_graph():
+            turn.wait(lane)
+            for _ in range(warmups):
+                module(*static_args, **static_kwargs)
+        backend.synchronize((lane,))  # start-up only: the capture's own time is reported
+        versions = [t._version for t in statics]
+        captured = time.perf_counter()
+        with (
+            enable_breakable_cuda_graph(),
+            BreakableCUDAGraphCapture(graph, capture_error_mode=capture_error_mode),
+        ):
+            output = module(*static_args, **static_kwargs)
+        backend.synchronize((lane,))
+        done = time.perf_counter()
+    except BaseException:
+        current.wait_stream(lane)  # before the static buffers are freed
+        graph.reset()
+        raise
+    return Entry(
+        graph=graph,
+        statics=statics,
+        fill=tuple(fill),
+        scalars=slots,
+        output=output,
+        static_call=(static_args, static_kwargs),
+        keep_alive=identity_objects(*call),
+        capture_runs=warmups + 1,
+        capture_ms=(done - captured) * 1e3,
+        pool_bytes=graph.pool_bytes(),
+        warmup_ms=(captured - started) * 1e3,
+        # Arguments the captured step wrote in place (a KV cache, a position advanced): copied
+        # back after every replay, as eager would have left them. (An in-place change of
+        # shape, such as unsqueeze_, is not replayed by a graph: nothing to copy.)
+        written=tuple(
+            i
+            for i, t in enumerate(statics)
+            if t._version != versions[i] and t.shape == live[i].shape
+        ),
+    )
