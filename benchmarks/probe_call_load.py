@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_call_cost import _decoder_case, _sync, _variants
 from probe_call_timeline import _events
 
+from bcg_core._capture.flag import breakable_graphs_disabled
 from bcg_core._signature import signature_and_tensors
 
 
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def runner_copy_each() -> None:
         with runner._lock:
-            runner._can_graph()
+            _ = runner.disabled_reason is None and not breakable_graphs_disabled()
+            runner._graph_backend.is_available()
             sig, live = signature_and_tensors(call_args, {})
             runner._entries.get(sig)
             runner._replay(copy_entry, live, [])  # type: ignore[arg-type]

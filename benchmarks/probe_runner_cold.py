@@ -6,7 +6,7 @@ in a hot loop.
 ``python3 benchmarks/probe_runner_cold.py [--rounds N]`` (sources on PYTHONPATH; ``--smoke``
 for the tiny decoder, also on CPU). For the ``bench_call_cost`` decoder-8b case, the runner's
 call path up to its first replay step is replayed piece by piece with a host stamp after each
-(lock, ``_can_graph``, signature, entry lookup, current stream, turn wait, flag, input load,
+(lock, the can-graph tests, signature, entry lookup, current stream, turn wait, flag, input load,
 graph replay up to its first plan step), in two ways: ``cold`` (the device synchronised before
 every call) and ``hot`` (calls back to back; the replay between calls leaves the host's caches
 as cold for this code as a sync does). Rows: the replica, the replica with its input load done
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_call_cost import _decoder_case, _sync, _variants
 
-from bcg_core._capture.flag import flag_on, flag_reset
+from bcg_core._capture.flag import breakable_graphs_disabled, flag_on, flag_reset
 from bcg_core._signature import signature_and_tensors
 
 PIECES = ("lock", "can_graph", "signature", "lookup", "stream", "turn", "flag", "load", "to s0")
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         t = [time.perf_counter()]
         with runner._lock:
             t.append(time.perf_counter())
-            runner._can_graph()
+            _ = runner.disabled_reason is None and not breakable_graphs_disabled()
+            runner._graph_backend.is_available()
             t.append(time.perf_counter())
             last = runner._last if guard else None
             if last is not None:

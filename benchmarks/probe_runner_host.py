@@ -58,7 +58,11 @@ def main() -> None:
         "graph.replay() by hand": graph.replay,
         "runner, return_views": views,
         "runner, clone": cloning,
-        "  _can_graph()": views._can_graph,
+        "  the can-graph tests": lambda: (
+            views.disabled_reason is None
+            and not breakable_graphs_disabled()
+            and backend.is_available()
+        ),
         "  breakable_graphs_disabled()": breakable_graphs_disabled,
         "  backend.is_available()": backend.is_available,
         "  signature_and_tensors((), {})": lambda: signature_and_tensors((), {}),

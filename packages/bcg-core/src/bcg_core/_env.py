@@ -27,6 +27,19 @@ def env_word(name: str) -> str:
     return os.environ.get(name, "").strip().lower()
 
 
-def env_flag(name: str) -> bool:
-    """True when the variable is set to a true word (1, true, yes, on)."""
-    return env_word(name) in TRUE_WORDS
+class EnvFlag:
+    """A boolean variable: calling it says whether it is set to a true word (1, true, yes,
+    on). Read at every call like every variable here; an unset one (the usual case, and
+    ``BCG_DISABLE`` is read before every runner call) is told by one lookup of its key,
+    encoded once, in os.environ's store."""
+
+    __slots__ = ("_key", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._key = name.encode()
+
+    def __call__(self) -> bool:
+        if _POSIX_STORE is not None and self._key not in _POSIX_STORE:
+            return False
+        return env_word(self.name) in TRUE_WORDS

@@ -257,7 +257,7 @@ def copy_unless_same(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 # ``_foreach_copy_`` (its launch is slower to reach the device than two small copies), and the
 # inputs of a step are loaded right before its first launch. Beyond it, one batched launch saves
 # the host more than that.
-_FEW_COPIES = 4
+FEW_COPIES = 4
 
 
 def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -272,7 +272,7 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 
 
 def _copy_pairs(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    if len(dst) > _FEW_COPIES:
+    if len(dst) > FEW_COPIES:
         torch._foreach_copy_(dst, src)
         return
     for d, s in zip(dst, src, strict=True):

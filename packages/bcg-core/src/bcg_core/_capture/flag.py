@@ -14,22 +14,24 @@ refuses to start (a capture without breaks would freeze the eager code inside on
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar, Token
 
-from bcg_core._env import env_flag, env_word
+from bcg_core._env import EnvFlag, env_word
 from bcg_core._errors import BCG_FAILURE_HINT
 
 logger = logging.getLogger("bcg_core")
 
 _ENABLED: ContextVar[bool] = ContextVar("bcg_core_enabled", default=False)
 _DISABLED: ContextVar[bool] = ContextVar("bcg_core_disabled", default=False)
+_BCG_DISABLE = EnvFlag("BCG_DISABLE")
 
 
 def bcg_disabled_by_env() -> bool:
     """True when ``BCG_DISABLE`` is set to a true value (1, true, yes, on)."""
-    return env_flag("BCG_DISABLE")
+    return _BCG_DISABLE()
 
 
 def breakable_graphs_disabled() -> bool:
@@ -42,7 +44,8 @@ def breakable_graphs_disabled() -> bool:
         True when ``BCG_DISABLE`` is set to a true value (1, true, yes, on) or the caller is
         inside :func:`disable_breakable_graphs`; else False.
     """
-    return _DISABLED.get() or bcg_disabled_by_env()
+    # The flag itself, not bcg_disabled_by_env(): this runs before every runner call.
+    return _DISABLED.get() or _BCG_DISABLE()
 
 
 def disabled_reason() -> str:
@@ -117,11 +120,8 @@ def enable_breakable_cuda_graph(enabled: bool = True) -> Iterator[None]:
         _ENABLED.reset(token)
 
 
-def flag_on() -> Token[bool]:
-    """Set the flag (a replay's cheap form of :func:`enable_breakable_cuda_graph`: no generator,
-    no hint); the caller checked that graphs are not disabled and resets with :func:`flag_reset`."""
-    return _ENABLED.set(True)
-
-
-def flag_reset(token: Token[bool]) -> None:
-    _ENABLED.reset(token)
+# A replay's cheap form of enable_breakable_cuda_graph() (no generator, no hint): flag_on() sets
+# the flag and returns the token that flag_reset(token) restores; the caller checked that graphs
+# are not disabled. Bound C methods, not functions: no Python frame before a replay's launch.
+flag_on: Callable[[], Token[bool]] = functools.partial(_ENABLED.set, True)
+flag_reset: Callable[[Token[bool]], None] = _ENABLED.reset

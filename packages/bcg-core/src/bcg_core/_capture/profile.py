@@ -14,14 +14,16 @@ from typing import Any
 import torch
 
 from bcg_core._backends import GraphBackend
-from bcg_core._env import env_flag
+from bcg_core._env import EnvFlag
+
+_BCG_PROFILE = EnvFlag("BCG_PROFILE")
 
 
 def profile_enabled(option: bool | None) -> bool:
     """``option``, or when None whether ``BCG_PROFILE`` is set to 1/true/yes/on."""
     if option is not None:
         return option
-    return env_flag("BCG_PROFILE")
+    return _BCG_PROFILE()
 
 
 def named(launch: Callable[[], Any], name: str, backend: GraphBackend) -> Callable[[], None]:

@@ -12,7 +12,7 @@ import torch
 
 from bcg_core import _trees
 from bcg_core._capture.graph import BreakableCUDAGraph
-from bcg_core._signature import copy_all, copy_unless_same
+from bcg_core._signature import FEW_COPIES, copy_all, copy_unless_same
 
 
 def _cloner(output: Any) -> Callable[[], Any]:
@@ -63,6 +63,7 @@ class Entry:
     _copy_dst: list[torch.Tensor] = field(init=False)
     _inputs: bool = field(init=False)
     _only_copies: bool = field(init=False)
+    _few_copies: bool = field(init=False)
     _dst_ptrs: tuple[int, ...] = field(init=False)
     clone: Callable[[], Any] = field(init=False)
 
@@ -71,12 +72,20 @@ class Entry:
         self._copy_dst = [self.statics[i] for i in self._copy]
         self._inputs = bool(self.statics or self.scalars)
         self._only_copies = bool(self.statics) and not self.fill and not self.scalars
+        self._few_copies = self._only_copies and len(self.statics) <= FEW_COPIES
         self._dst_ptrs = tuple(t.data_ptr() for t in self.statics)
         self.clone = _cloner(self.output)
 
     def load(self, live: list[torch.Tensor], values: list[bool | int | float]) -> None:
         """Write one call's inputs into the static buffers."""
         if not self._inputs:  # a step without tensor or number arguments
+            return
+        if self._few_copies and not torch.is_grad_enabled():
+            # A decode step's few inputs in the fewest frames: a call starts with the host
+            # behind the device, so each step here delays the replay. (copy_ itself skips a
+            # source that views its buffer's very memory, and records nothing without grad.)
+            for buf, t in zip(self.statics, live, strict=True):
+                buf.copy_(t)
             return
         if self._only_copies and _none_is_its_buffer(live, self._dst_ptrs):
             # The serving case (every input a fresh device tensor) in the fewest steps: a call

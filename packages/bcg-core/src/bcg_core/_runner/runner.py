@@ -230,7 +230,13 @@ class BreakableGraphRunner:
                 raise: its signature is blocked and the call runs eagerly).
         """
         with self._lock:
-            if not self._can_graph():
+            # Tested here, not in a method: each frame before the launch delays the replay.
+            if (
+                self.disabled_reason is not None
+                or breakable_graphs_disabled()
+                or not self._graph_backend.is_available()
+            ):
+                self._announce_eager()
                 return self.module(*args, **kwargs)
             values: list[bool | int | float] = []
             if self._lift is None:
@@ -519,9 +525,10 @@ class BreakableGraphRunner:
             e.warmup_ms,
         )
 
-    def _can_graph(self) -> bool:
+    def _announce_eager(self) -> None:
+        """Say once why this runner runs every call eagerly (a call found it cannot graph)."""
         if self.disabled_reason is not None:
-            return False
+            return  # said when the runner disabled itself
         if breakable_graphs_disabled():
             if not self._disabled_noticed:
                 self._disabled_noticed = True
@@ -530,18 +537,14 @@ class BreakableGraphRunner:
                     disabled_reason(),
                     type(self).__name__,
                 )
-            return False
-        if not self._graph_backend.is_available():
-            if not self._no_cuda_noticed:
-                self._no_cuda_noticed = True
-                logger.warning(
-                    "bcg: no CUDA device is available; %s runs eagerly (no graphs are captured). "
-                    "To capture CPU graphs of CPU tensors without a GPU (CUDA's capture rules), "
-                    'pass device="cpu"',
-                    type(self).__name__,
-                )
-            return False
-        return True
+        elif not self._no_cuda_noticed:
+            self._no_cuda_noticed = True
+            logger.warning(
+                "bcg: no CUDA device is available; %s runs eagerly (no graphs are captured). "
+                "To capture CPU graphs of CPU tensors without a GPU (CUDA's capture rules), "
+                'pass device="cpu"',
+                type(self).__name__,
+            )
 
     def _capture(
         self,
