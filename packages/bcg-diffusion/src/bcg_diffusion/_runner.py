@@ -8,7 +8,7 @@ from typing import Any
 
 from bcg_core import BreakableGraphRunner, DivergenceReport, PatchHandle
 from bcg_diffusion._attention import patch_attention_classes
-from bcg_diffusion._tokens import replay_token_scope
+from bcg_diffusion._tokens import ReplayTokenScope
 
 
 class DiTRunner(BreakableGraphRunner):
@@ -68,7 +68,8 @@ class DiTRunner(BreakableGraphRunner):
                 f"returns, got {breakable_attention!r}"
             )
         try:
-            runner_options.setdefault("replay_context", replay_token_scope)
+            # The class itself: making one runs no Python code (replay_token_scope() would).
+            runner_options.setdefault("replay_context", ReplayTokenScope)
             super().__init__(model, **runner_options)
             patches = [patch_attention_classes(*attention_classes)]
         except BaseException:
@@ -95,7 +96,8 @@ class DiTRunner(BreakableGraphRunner):
         Returns:
             The model's output (a replay's, or an eager run's on a miss).
         """
-        as_tuple = self._pop_format(kwargs)
+        # The usual call has no return_dict: told without a frame before the replay's launch.
+        as_tuple = "return_dict" in kwargs and self._pop_format(kwargs)
         out = super().__call__(*args, **kwargs)
         return out.to_tuple() if as_tuple else out
 
