@@ -43,6 +43,16 @@ def test_tokens_are_fresh_increasing_and_nest_safe() -> None:
     assert a < b < inner
 
 
+def test_a_token_scope_decorates_with_a_fresh_token_per_call() -> None:
+    @replay_token_scope()
+    def replay() -> int | None:
+        return get_current_replay_token()
+
+    first, second = replay(), replay()
+    assert first is not None and second is not None and first < second
+    assert get_current_replay_token() is None
+
+
 def test_tokens_are_per_thread() -> None:
     seen: list[int | None] = []
     with replay_token_scope():

@@ -10,10 +10,11 @@ token), and ``None`` outside replays — including during capture, when no cache
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from contextlib import AbstractContextManager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 
 _TOKEN: ContextVar[int | None] = ContextVar("bcg_diffusion_replay_token", default=None)
 _counter = itertools.count(1)
@@ -34,14 +35,18 @@ def get_current_replay_token() -> int | None:
     return _TOKEN.get()
 
 
-class ReplayTokenScope:
+class ReplayTokenScope(contextlib.ContextDecorator):
     """The context manager :func:`replay_token_scope` returns: entering it sets a fresh token
     (and returns it), leaving it restores the previous one. A class rather than a generator:
     :class:`DiTRunner` enters one right before every replay's first launch, and making and
     entering it costs one Python frame where a generator-based one costs several. Each
-    instance is entered once."""
+    instance is entered once; as a decorator (like the generator-based scope it replaced) it
+    makes a fresh one per call."""
 
-    __slots__ = ("_reset",)
+    _reset: Token[int | None]
+
+    def _recreate_cm(self) -> ReplayTokenScope:
+        return type(self)()
 
     def __enter__(self) -> int:
         with _counter_lock:
