@@ -113,14 +113,16 @@ class DiTRunner(BreakableGraphRunner):
         Returns:
             The :class:`bcg_core.DivergenceReport`.
         """
-        self._pop_format(kwargs)
+        if "return_dict" in kwargs:
+            self._pop_format(kwargs)
         return super().check_divergence(*args, **kwargs)
 
     def _pop_format(self, kwargs: dict[str, Any]) -> bool:
-        """Drop ``return_dict`` from a call's keywords (the model's default then applies);
-        True when the caller asked for the tuple form of a dict-returning model."""
+        """Drop ``return_dict`` (the caller found it in ``kwargs``) from a call's keywords (the
+        model's default then applies); True when the caller asked for the tuple form of a
+        dict-returning model."""
         default = self._return_dict_default
-        if default is None or "return_dict" not in kwargs:
+        if default is None:
             return False
         wanted = kwargs["return_dict"]
         if wanted == default:

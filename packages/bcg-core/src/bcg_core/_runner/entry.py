@@ -81,9 +81,10 @@ class Entry:
         if not self._inputs:  # a step without tensor or number arguments
             return
         if self._few_copies and not torch.is_grad_enabled():
-            # A decode step's few inputs in the fewest frames: a call starts with the host
-            # behind the device, so each step here delays the replay. (copy_ itself skips a
-            # source that views its buffer's very memory, and records nothing without grad.)
+            # copy_all's small case written out: a decode step's few inputs in the fewest
+            # frames, since a call starts with the host behind the device and each step here
+            # delays the replay. (copy_ itself skips a source that views its buffer's very
+            # memory, and records nothing without grad.)
             for buf, t in zip(self.statics, live, strict=True):
                 buf.copy_(t)
             return

@@ -42,8 +42,6 @@ from bcg_core._signature import (
 
 logger = logging.getLogger("bcg_core")
 
-"""Distinct missed signatures logged with their details; later misses are only counted."""
-
 
 class BreakableGraphRunner:
     """Stand-in for a module (or any callable) that replays one breakable graph per signature.
