@@ -53,7 +53,7 @@ import pstats
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -259,6 +259,26 @@ def _variants(case: Case, device: torch.device) -> dict[str, Callable[[], object
     }
     variants["_keep"] = lambda: {"runner": runner, "own": own}  # not timed
     return variants
+
+
+def decoder_probe(smoke: bool) -> tuple[torch.device, Case, dict[str, Callable[[], object]]]:
+    """Where the call-cost probes start: the device (CUDA when there is one), grad mode off,
+    the decoder-8b case (the tiny decoder with ``smoke``) and its variants."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_grad_enabled(False)
+    case = _decoder_case(device, smoke)
+    return device, case, _variants(case, device)
+
+
+def settle(fns: Iterable[Callable[[], object]], device: torch.device, warmups: int = 3) -> None:
+    """Before a probe's timed rounds: call each of ``fns`` ``warmups`` times, wait for the
+    device, collect garbage and pause the collector (the probe re-enables it)."""
+    for fn in fns:
+        for _ in range(warmups):
+            fn()
+    _sync(device)
+    gc.collect()
+    gc.disable()
 
 
 def _one_call(fn: Callable[[], object], device: torch.device, mode: str) -> float:

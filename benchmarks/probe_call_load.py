@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_call_cost import _decoder_case, _sync, _variants
+from bench_call_cost import decoder_probe, settle
 from probe_call_timeline import _events
 
 from bcg_core._capture.flag import breakable_graphs_disabled
@@ -37,10 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--rounds", type=int, default=400)
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.set_grad_enabled(False)
-    case = _decoder_case(device, args.smoke)
-    runner = _variants(case, device)["_keep"]()["runner"]
+    device, case, variants = decoder_probe(args.smoke)
+    runner = variants["_keep"]()["runner"]
     (entry,) = runner._entries.values()
     statics, graph, call_args = entry.statics, entry.graph, case.args
 
@@ -92,12 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         "runner, load: copy_ each": runner_copy_each,
         "runner._replay": lambda: runner._replay(entry, live, []),
     }
-    for fn in rows.values():
-        for _ in range(3):
-            fn()
-    _sync(device)
-    gc.collect()
-    gc.disable()
+    settle(rows.values(), device)
     out = _events(rows, args.rounds, device)
     gc.enable()
     names = list(rows)

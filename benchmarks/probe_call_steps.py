@@ -21,10 +21,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_call_cost import _decoder_case, _sync, _variants
+from bench_call_cost import _sync, decoder_probe, settle
 
 from bcg_core._capture.flag import flag_on, flag_reset
 from bcg_core._capture.graph import BreakStep
@@ -39,11 +37,7 @@ def main(argv: list[str] | None = None) -> None:
         "--mode", choices=("host", "sync"), default="host", help="host time, or call to result"
     )
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.set_grad_enabled(False)
-    case = _decoder_case(device, args.smoke)
-
-    variants = _variants(case, device)
+    device, case, variants = decoder_probe(args.smoke)
     runner = variants["_keep"]()["runner"]
     runner.return_views = True
     (entry,) = runner._entries.values()
@@ -83,11 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     after: dict[str, list[float]] = {k: [] for k in rows}
     times: dict[str, list[float]] = {k: [] for k in rows}
-    for fn in rows.values():
-        for _ in range(3):
-            fn()
-    gc.collect()
-    gc.disable()
+    settle(rows.values(), device)
     names = list(rows)
     for r in range(args.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_call_cost import OWN_CAPTURE, _decoder_case, _sync, _variants
+from bench_call_cost import OWN_CAPTURE, _sync, decoder_probe, settle
 
 ROWS = ("hand", OWN_CAPTURE, "runner_views", "runner")
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -195,17 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stamp-rounds", type=int, default=150)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.set_grad_enabled(False)
-    case = _decoder_case(device, args.smoke)
-    variants = _variants(case, device)
+    device, case, variants = decoder_probe(args.smoke)
     rows = {n: variants[n] for n in ROWS}
-    for fn in rows.values():
-        for _ in range(3):
-            fn()
-    _sync(device)
-    gc.collect()
-    gc.disable()
+    settle(rows.values(), device)
     ev = _events(rows, args.rounds, device)
     result: dict[str, object] = {"events": ev}
     print(f"decoder-8b{' (smoke)' if args.smoke else ''} on {device.type}, sync calls")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_call_cost import _decoder_case, _sync, _variants
+from bench_call_cost import _sync, decoder_probe, settle
 
 from bcg_core._capture.flag import breakable_graphs_disabled, flag_on, flag_reset
 from bcg_core._signature import signature_and_tensors
@@ -42,10 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--rounds", type=int, default=300)
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.set_grad_enabled(False)
-    case = _decoder_case(device, args.smoke)
-    variants = _variants(case, device)
+    device, case, variants = decoder_probe(args.smoke)
     runner = variants["_keep"]()["runner"]
     (entry,) = runner._entries.values()
     graph = entry.graph
@@ -131,12 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         "signature: last-hit guard": lambda: replica(guard=True),
         "real": real,
     }
-    for fn in fns.values():
-        for _ in range(5):
-            fn()
-    _sync(device)
-    gc.collect()
-    gc.disable()
+    settle(fns.values(), device, warmups=5)
     names = list(fns)
     for mode in ("cold", "hot"):
         rows: dict[str, list[list[float]]] = {n: [] for n in names}
