@@ -186,3 +186,38 @@ def test_compiled_sliding_window_layer_is_refused_at_capture() -> None:
     assert "CaptureError" in why and "sliding-window attention" in why
     assert runner.stats.entries == ()
     assert not bcg_core.is_breakable_capture_active()
+
+
+_logged: list[torch.Tensor] = []
+
+
+@eager_on_graph(name="cuda.log")
+def _log_only(x: torch.Tensor) -> None:
+    if not isinstance(x, torch._subclasses.fake_tensor.FakeTensor):
+        _logged.append(x.clone())
+
+
+def test_inductor_keeps_a_break_that_returns_nothing_and_a_stub_of_other_strides() -> None:
+    """Inductor: a break read by nobody still runs; a capture_stub whose output has other
+    strides than the kernel's gets the traced strides (inductor's code assumes them)."""
+
+    def transposed(x: torch.Tensor) -> torch.Tensor:
+        return (x.t().contiguous() * 2).t()
+
+    @eager_on_graph(name="cuda.kern", capture_stub=lambda x: torch.empty_like(x))
+    def kern(x: torch.Tensor) -> torch.Tensor:
+        return transposed(x)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x + 1
+        _log_only(y)
+        return kern(y) + torch.arange(4.0, device=x.device)
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True)
+    x = torch.arange(12.0, device="cuda").reshape(3, 4)
+    cf(x)
+    _logged.clear()
+    for i in range(3):
+        assert torch.equal(cf(x + i), f(x + i))
+    assert len(_logged) == 6

@@ -171,7 +171,7 @@ def eager_on_graph(
             return state.record_break(f, capture_stub, strict, break_name, args, kwargs)
 
         # The opaque op's real implementation is the wrapper itself (not compiling then).
-        opaque_id = opaque.register(wrapper, capture_stub or f, break_name)
+        opaque_id = opaque.register(wrapper, capture_stub or f, break_name, weak=True)
         # Dynamo graph-breaks at a dynamo-disabled function and calls it eagerly at run time.
         # (torch's lazy form of torch.compiler.disable: importing dynamo up front would cost
         # every process ~1 s.)

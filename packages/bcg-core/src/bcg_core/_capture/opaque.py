@@ -11,7 +11,12 @@ op's real implementation, run by the compiled code, rebuilds the call and runs t
 Python function on the real tensors. The fake implementation runs the registered fake function
 (a break's ``capture_stub``, else the function itself) on fake tensors. Tensors the function
 writes into are found by a dry run on fake copies when the layout is made, and are passed as
-the op's mutated arguments, so the compiler orders reads and writes of them around the op.
+the op's mutated arguments, so the compiler orders reads and writes of them around the op (a
+capture_stub must make the writes the function makes: inside an op's implementation torch
+bumps no version counter, so a write the stub hides cannot be seen at run time). Every trace
+makes its own layout (its output structure and values may depend on shapes, and symbolic ones
+belong to that trace). The ops are marked side-effectful: a break that returns nothing is never
+dead code.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import itertools
 import logging
 import threading
 import uuid
+import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,10 +46,10 @@ CONSTANT_TYPES = (int, float, bool, str, complex, torch.dtype, torch.device, tor
 
 logger = logging.getLogger("bcg_core")
 _lock = threading.Lock()
-_functions: dict[int, tuple[Callable[..., Any], Callable[..., Any], str]] = {}
+_functions: dict[int, _Registered] = {}
 _function_ids = itertools.count()
 _layouts: dict[str, _Layout] = {}
-_layout_keys: dict[tuple[Any, ...], str] = {}
+_layout_ids = itertools.count()
 # Keys carry a per-process nonce: a compiled graph loaded from another process's cache names
 # layouts this process never made, and fails with a clear error instead of calling another one.
 _NONCE = uuid.uuid4().hex[:8]
@@ -57,20 +64,92 @@ class _Layout:
     mutated: tuple[int, ...]  # indices among the call's tensors that the function writes into
     out_spec: pytree.TreeSpec | None = None
     out_leaves: list[Any] = field(default_factory=list)
+    # Concrete (shape, stride) per tensor output as traced, None where symbolic: compiled code
+    # after the op assumes these strides.
+    out_strides: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = field(default_factory=list)
 
 
 _TENSOR = object()
 
 
+class _Registered:
+    """A registered function and its fake, held strongly, or weakly for ``weak=True`` (a
+    decorated break: the registration lives as long as the wrapper, which owns both)."""
+
+    __slots__ = ("_fake", "_function", "name")
+
+    def __init__(
+        self, function: Callable[..., Any], fake: Callable[..., Any], name: str, weak: bool
+    ) -> None:
+        self.name = name
+        self._function: Any = weakref.ref(function) if weak else function
+        self._fake: Any = weakref.ref(fake) if weak else fake
+
+    def functions(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        function, fake = self._function, self._fake
+        if isinstance(function, weakref.ref):
+            function, fake = function(), fake()
+            if function is None or fake is None:
+                raise RuntimeError(
+                    f"bcg: compiled code calls break {self.name!r}, whose decorated function "
+                    "no longer exists; decorate breaks once (at module level or in __init__), "
+                    "not inside the function that calls them"
+                )
+        return function, fake
+
+
 def register(
-    function: Callable[..., Any], fake: Callable[..., Any] | None = None, name: str = ""
+    function: Callable[..., Any],
+    fake: Callable[..., Any] | None = None,
+    name: str = "",
+    *,
+    weak: bool = False,
 ) -> int:
     """Register ``function`` (and the function run on fake tensors, default itself) for
-    :func:`call`; returns the id that compiled code passes to :func:`call`."""
+    :func:`call`; returns the id that compiled code passes to :func:`call`. With ``weak``, the
+    registry holds both weakly and forgets them, with their layouts, when ``function`` dies
+    (breaks decorated in a loop or a closure do not pile up); ``fake`` must then be kept alive
+    by ``function``."""
+    weak = weak and _weakable(function) and _weakable(fake or function)
     with _lock:
         fid = next(_function_ids)
-        _functions[fid] = (function, fake or function, name or repr(function))
+        _functions[fid] = _Registered(function, fake or function, name or repr(function), weak)
+    if weak:
+        weakref.finalize(function, _dead.append, fid)
+    with _lock:
+        while _dead:
+            _forget(_dead.pop())
     return fid
+
+
+def _weakable(obj: object) -> bool:
+    try:
+        weakref.ref(obj)
+    except TypeError:
+        return False
+    return True
+
+
+# Ids of breaks whose wrapper died, forgotten at the next register() under the lock (a
+# finalizer runs inside any allocation, maybe while this thread holds the lock).
+_dead: list[int] = []
+
+
+def _forget(fid: int) -> None:
+    _functions.pop(fid, None)
+    for key in [k for k, layout in _layouts.items() if layout.function == fid]:
+        del _layouts[key]
+
+
+def _registered(fid: int) -> tuple[Callable[..., Any], Callable[..., Any], str]:
+    entry = _functions.get(fid)
+    if entry is None:
+        raise RuntimeError(
+            "bcg: compiled code calls a break whose decorated function no longer exists; "
+            "decorate breaks once (at module level or in __init__), not inside the function "
+            "that calls them"
+        )
+    return (*entry.functions(), entry.name)
 
 
 def traceable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -112,11 +191,16 @@ def _apply(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
         # Dynamo traces this body only when running it on fake tensors failed (a break that
         # reads values, with no capture_stub; torch 2.11 then inlines it, and the half-traced
         # call could not work): the call becomes a dynamo graph break, an ordinary break call.
-        out = _eager(_functions[function_id][0], *_unbox((args, kwargs)))
+        out = _eager(_registered(function_id)[0], *_unbox((args, kwargs)))
         return _box(out), 0
     flat, spec = pytree.tree_flatten(_unbox((args, kwargs)))
     flat = [_concrete(x) for x in flat]
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    if torch._guards.detect_fake_mode(tensors) is None:
+        # Not a trace: a backend that runs dynamo's graph as it is (backend="eager") calls this
+        # on the real tensors at every call. Then the call is just the call.
+        args, kwargs = pytree.tree_unflatten(flat, spec)
+        return _box(_registered(function_id)[0](*args, **kwargs)), 0
     key = _layout_for(function_id, flat, spec, tensors)
     layout = _layouts[key]
     functional, mutating, take = _ops()
@@ -153,12 +237,22 @@ def _call(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
 _eager = torch._disable_dynamo(_call)  # type: ignore[attr-defined]
 
 
-_warned: set[str] = set()
+_warned: set[Any] = set()
 
 
-def _unfakeable(name: str, exc: Exception) -> TypeError:
-    """The error for a function that cannot run on fake tensors (logged once per function:
-    dynamo reports its own error, with this one as the cause, or graph-breaks)."""
+def _refusal(name: str, message: str, kind: type[Exception]) -> Exception:
+    """An error raised where dynamo runs a call on fake tensors, logged once per break and
+    kind: dynamo reports its own error (with this one as the cause) or graph-breaks."""
+    with _lock:
+        first = (kind, name) not in _warned
+        _warned.add((kind, name))
+    if first:
+        logger.warning(message)
+    return kind(message)
+
+
+def _unfakeable(name: str, exc: Exception) -> Exception:
+    """The error for a function that cannot run on fake tensors."""
     message = (
         f"bcg: break {name} cannot run on fake tensors, which torch.compile needs to know its "
         f"outputs ({type(exc).__name__}: {exc}), so under torch.compile it is a dynamo graph "
@@ -167,35 +261,41 @@ def _unfakeable(name: str, exc: Exception) -> TypeError:
         "opaque op in one graph, give the break a capture_stub that computes outputs of the "
         "same structure, shapes and dtypes without reading values."
     )
-    with _lock:
-        first = name not in _warned
-        _warned.add(name)
-    if first:
-        logger.warning(message)
-    return TypeError(message)
+    return _refusal(name, message, TypeError)
 
 
 def _layout_for(
     function_id: int, flat: list[Any], spec: pytree.TreeSpec, tensors: list[torch.Tensor]
 ) -> str:
+    """A new layout for this traced call (one per trace: its output may depend on the traced
+    shapes, and its symbolic values belong to that trace's shape environment)."""
     leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat]
-    ident = (
-        function_id,
-        str(spec),
-        tuple((type(x), x) if x is not _TENSOR else None for x in leaves),
-    )
-    with _lock:
-        key = _layout_keys.get(ident)
-    if key is not None:
-        return key
     mutated = _written_tensors(function_id, flat, spec, tensors)
+    _refuse_overlaps(function_id, tensors, mutated)
     with _lock:
-        key = _layout_keys.get(ident)
-        if key is None:
-            key = f"{_NONCE}:{len(_layouts)}"
-            _layouts[key] = _Layout(function_id, spec, leaves, mutated)
-            _layout_keys[ident] = key
+        key = f"{_NONCE}:{next(_layout_ids)}"
+        _layouts[key] = _Layout(function_id, spec, leaves, mutated)
     return key
+
+
+def _refuse_overlaps(fid: int, tensors: list[torch.Tensor], mutated: tuple[int, ...]) -> None:
+    """A written tensor may share memory with no other argument: functionalization copies the
+    written one, and the other would read the copy's stale source (silently wrong)."""
+    for i in mutated:
+        storage = tensors[i].untyped_storage()._cdata
+        for j, other in enumerate(tensors):
+            if j != i and other.untyped_storage()._cdata == storage:
+                name = _registered(fid)[2]
+                raise _refusal(
+                    name,
+                    f"bcg: break {name!r} writes its tensor argument {i} and also takes "
+                    f"argument {j}, which shares its memory (a view of it, or the same "
+                    "tensor); compiled, the written tensor would be replaced by a copy and the "
+                    "other would read stale values, so under torch.compile this call is a "
+                    "dynamo graph break (fullgraph=True fails). Pass the tensor once and take "
+                    "the view inside the break.",
+                    ValueError,
+                )
 
 
 def _written_tensors(
@@ -203,7 +303,7 @@ def _written_tensors(
 ) -> tuple[int, ...]:
     """Which of the call's tensors the fake function writes into: a dry run on fake copies
     (made in the tracing fake mode), comparing version counters."""
-    _, fake, name = _functions[function_id]
+    _, fake, name = _registered(function_id)
     copies = [
         torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in tensors
     ]
@@ -236,19 +336,41 @@ def _rebuild(out_leaves: list[Any], outs: list[Any], out_spec: pytree.TreeSpec) 
     return pytree.tree_unflatten([next(it) if x is _TENSOR else x for x in out_leaves], out_spec)
 
 
-def _fresh_outputs(result: Any, inputs: list[torch.Tensor]) -> tuple[list[Any], Any]:
+def _fresh_outputs(
+    result: Any, inputs: list[torch.Tensor], name: str = ""
+) -> tuple[list[Any], Any]:
     """The result's leaves and spec, with every tensor that shares storage with an input or an
-    earlier output cloned: an op's outputs may alias nothing."""
+    earlier output cloned: an op's outputs may alias nothing. Given the break's ``name``, an
+    output that aliases an input is warned about once (compiled code sees a copy of it)."""
     flat, spec = pytree.tree_flatten(result)
-    seen = {t.untyped_storage()._cdata for t in inputs}
+    inputs_at = {t.untyped_storage()._cdata for t in inputs}
+    seen = set(inputs_at)
     out: list[Any] = []
     for x in flat:
         if isinstance(x, torch.Tensor):
-            if x.untyped_storage()._cdata in seen:
+            at = x.untyped_storage()._cdata
+            if at in seen:
+                if name and at in inputs_at:
+                    _warn_alias(name)
                 x = x.clone()
             seen.add(x.untyped_storage()._cdata)
         out.append(x)
     return out, spec
+
+
+def _warn_alias(name: str) -> None:
+    with _lock:
+        first = ("alias", name) not in _warned
+        _warned.add(("alias", name))
+    if first:
+        warnings.warn(
+            f"bcg: break {name!r} returned a tensor that shares memory with one of its "
+            "arguments; under torch.compile a break is an op, whose outputs may alias nothing, "
+            "so the code after it gets a copy: writes through the output do not reach the "
+            "argument, and later writes into the argument do not show in the output. Return "
+            "a new tensor, or write into the argument and return nothing.",
+            stacklevel=2,
+        )
 
 
 def _layout(key: str) -> _Layout:
@@ -264,9 +386,10 @@ def _layout(key: str) -> _Layout:
 
 def _real(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     layout = _layout(key)
-    function, _, name = _functions[layout.function]
+    function, _, name = _registered(layout.function)
     args, kwargs = _call_args(layout, mutated, rest)
-    flat, spec = _fresh_outputs(function(*args, **kwargs), [*mutated, *rest])
+    result = function(*args, **kwargs)
+    flat, spec = _fresh_outputs(result, [*mutated, *rest], name)
     if spec != layout.out_spec:
         raise BreakOutputError(
             f"break {name!r} returned {spec} at run time, but {layout.out_spec} when "
@@ -280,19 +403,37 @@ def _real(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
                 "value. Return the value as a tensor, or make it a value the call's arguments "
                 "decide (dynamo guards on those and recompiles)."
             )
-    return [x for x in flat if isinstance(x, torch.Tensor)]
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    for i, want in enumerate(layout.out_strides):
+        t = tensors[i]
+        if want is not None and t.stride() != want[1] and tuple(t.shape) == want[0]:
+            # The compiled code after the op was built for the traced strides (a capture_stub
+            # that returns another layout than the kernel): give it those.
+            tensors[i] = torch.empty_strided(
+                want[0], want[1], dtype=t.dtype, device=t.device
+            ).copy_(t)
+    return tensors
 
 
 def _fake(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     layout = _layout(key)
-    _, fake, _ = _functions[layout.function]
+    _, fake, _ = _registered(layout.function)
     args, kwargs = _call_args(layout, mutated, rest)
     flat, spec = _fresh_outputs(fake(*args, **kwargs), [*mutated, *rest])
     leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat]
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     with _lock:
         if layout.out_spec is None:
             layout.out_spec, layout.out_leaves = spec, leaves
-    return [x for x in flat if isinstance(x, torch.Tensor)]
+            layout.out_strides = [_concrete_layout(t) for t in tensors]
+    return tensors
+
+
+def _concrete_layout(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    dims = (*t.shape, *t.stride())
+    if not all(type(d) is int for d in dims):
+        return None
+    return tuple(t.shape), tuple(t.stride())
 
 
 # The outputs of the last writing op per layout, on this thread, until its take op reads them.
@@ -359,4 +500,9 @@ def _ops() -> tuple[Any, Any, Any]:
             take.register_fake(_fake_take)
             ops = torch.ops.bcg
             _op = (ops.opaque.default, ops.opaque_mut.default, ops.opaque_take.default)
+            # A break may act only on the host (log, hand a tensor to an engine) and return
+            # nothing anyone reads: without this, AOTAutograd's and inductor's dead-code
+            # elimination drop the call and the break never runs.
+            for op in _op:
+                torch.fx.node.has_side_effect(op)
     return _op  # type: ignore[no-any-return]
