@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from typing import Any
 
 import torch
@@ -95,6 +96,14 @@ def _flat_spec(n_args: int, names: tuple[str, ...], tensors: tuple[bool, ...]) -
     return _trees.flatten(_call(tuple(leaves[:n_args]), kwargs))[1]
 
 
+def _const_kind(leaf: Any) -> str:
+    """A constant's type name; ``-0.0`` is its own kind (it equals ``0.0`` and hashes alike,
+    but ``x / -0.0`` is not ``x / 0.0``)."""
+    if type(leaf) is float and not leaf and math.copysign(1.0, leaf) < 0:
+        return "negative-zero float"
+    return type(leaf).__name__
+
+
 def _flat_signature(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Signature, list[torch.Tensor]] | None:
@@ -113,7 +122,7 @@ def _flat_signature(
         elif cls is ScalarInput:
             keys.append(("scalar", leaf.kind.__name__))
         elif cls in _trees.SCALARS:
-            keys.append(("const", cls.__name__, leaf))
+            keys.append(("const", _const_kind(leaf), leaf))
         else:
             return None
         kinds.append(cls is torch.Tensor)
@@ -176,6 +185,8 @@ class FlatGuard:
             leaf = leaves[i]
             if type(leaf) is not cls or not (leaf is value or leaf == value):
                 return None
+            if cls is float and not value and _const_kind(leaf) != _const_kind(value):
+                return None  # 0.0 and -0.0
         live: list[torch.Tensor] = []
         for i, shape, dtype, device in self._tensors:
             t = leaves[i]
@@ -213,7 +224,7 @@ def walked_signature(
         elif isinstance(leaf, ScalarInput):
             keys.append(("scalar", leaf.kind.__name__))
         elif isinstance(leaf, _CONSTANTS):
-            keys.append(("const", type(leaf).__name__, leaf))
+            keys.append(("const", _const_kind(leaf), leaf))
         else:
             keys.append(("object", type(leaf).__qualname__, id(leaf)))
     return (spec, tuple(keys)), live

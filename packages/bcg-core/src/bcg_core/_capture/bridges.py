@@ -94,10 +94,25 @@ class Bridge:
     others strongly. Without it every tensor is held strongly.
     """
 
-    __slots__ = ("_flat", "_frozen", "_meta", "_name", "_single", "_spec", "output", "pooled")
+    __slots__ = (
+        "_flat",
+        "_frozen",
+        "_meta",
+        "_name",
+        "_pinned",
+        "_single",
+        "_spec",
+        "_twins",
+        "output",
+        "pooled",
+    )
 
     def __init__(
-        self, name: str, output: Any, in_pool: Callable[[torch.Tensor], bool] | None = None
+        self,
+        name: str,
+        output: Any,
+        in_pool: Callable[[torch.Tensor], bool] | None = None,
+        arguments: Any = None,
     ) -> None:
         self._name = name
         pooled: list[torch.Tensor] = []
@@ -123,6 +138,10 @@ class Bridge:
             for i, d in enumerate(x for x in leaves if isinstance(x, torch.Tensor))
         ]
         self._single = isinstance(output, torch.Tensor)
+        # Outputs whose memory at capture was an argument's: the code after the break reads it
+        # as both, so a replay may not copy a fresh tensor there. Outputs sharing one storage
+        # (a tensor returned twice): a replay must return one tensor for all of them again.
+        self._pinned, self._twins = _shared_memory(self._meta, arguments)
         # The plain values later code saw (leaf index, value): a replay must return them again.
         self._frozen = tuple(
             (i, x)
@@ -172,16 +191,24 @@ class Bridge:
             if one.shape != shape or one.dtype != dtype:
                 self._check(d, one, self._tensor_paths()[0])  # raises with the details
             if one.data_ptr() != ptr or not _same_memory(d, one):
+                if self._pinned:
+                    self._refuse(0)
                 if repeated:
                     d, one = self._first_elements(d, one, repeated, 0)
                 d.copy_(one)
             return
+        for group in self._twins:
+            first = src[group[0]]
+            if any(not _same_memory(first, src[j]) for j in group[1:]):
+                self._refuse(group[1])
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         for i, ((d, shape, dtype, ptr, repeated), t) in enumerate(zip(meta, src, strict=True)):
             if t.shape != shape or t.dtype != dtype:
                 self._check(d, t, self._tensor_paths()[i])
             if t.data_ptr() != ptr or not _same_memory(d, t):
+                if i in self._pinned:
+                    self._refuse(i)
                 if repeated:
                     d, t = self._first_elements(d, t, repeated, i)
                 dsts.append(d)
@@ -288,12 +315,39 @@ class Bridge:
             )
         return _first(d, dims), _first(s, dims)
 
+    def _refuse(self, i: int) -> None:
+        raise BreakOutputError(
+            f"break {self._name!r}: {self._tensor_paths()[i]} was, at capture, memory the "
+            "break shared with one of its arguments or another of its outputs (it returned an "
+            "argument, or one tensor twice), and at replay it is another tensor; the code "
+            "after the break reads that memory for both, so copying it there would overwrite "
+            "the other. Return the same kind of result every call: a new tensor (y.clone() "
+            "where nothing changes), or the argument, written in place."
+        )
+
     def _check(self, d: torch.Tensor, s: torch.Tensor, where: str) -> None:
         if d.shape != s.shape or d.dtype != s.dtype:
             raise BreakOutputError(
                 f"break {self._name!r}: {where} is {tuple(s.shape)} {s.dtype} at replay "
                 f"but was {tuple(d.shape)} {d.dtype} at capture; capture a graph per shape"
             )
+
+
+def _shared_memory(
+    meta: list[Any], arguments: Any
+) -> tuple[frozenset[int], tuple[tuple[int, ...], ...]]:
+    """Indices of output tensors on an argument's storage, and groups of output tensors that
+    are one tensor (same address and strides)."""
+    taken = {
+        t.untyped_storage().data_ptr()
+        for t in _trees.flatten(arguments)[0]
+        if isinstance(t, torch.Tensor) and t.device.type != "meta"
+    }
+    pinned = frozenset(i for i, m in enumerate(meta) if m[0].untyped_storage().data_ptr() in taken)
+    groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for i, m in enumerate(meta):
+        groups.setdefault((m[0].data_ptr(), m[0].stride()), []).append(i)
+    return pinned, tuple(tuple(g) for g in groups.values() if len(g) > 1)
 
 
 def _first(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:

@@ -229,7 +229,7 @@ class CaptureState:
             with self.backend.allocate_to_pool(self.pool, self.stream.device) as routed:
                 if routed:
                     output, in_pool = copy_into_pool(output, made)
-        bridge = Bridge(name, output, in_pool)
+        bridge = Bridge(name, output, in_pool, (args, kwargs))
         self.backend.note_graph_memory(self.pool, bridge.tensors)
         self.steps.append(
             BreakStep(

@@ -190,6 +190,10 @@ class BreakableGraphRunner:
         self._lift = self._scalars.lift if self._scalars else None
         self._window = 0
         self._discard_outputs = False  # capture_many: no clone of outputs nobody reads
+        # Set while this runner captures or replays (on the thread holding the lock): a break
+        # that calls the runner again gets an eager run, not its own graph half-way through.
+        self._busy = False
+        self._last_failure: list[tuple[Signature, str]] = []  # the last failed capture's
         self._entries: OrderedDict[Signature, Entry] = OrderedDict()
         # The last hit's guard, signature and entry (see _guard_last).
         self._last: tuple[FlatGuard, Signature, Entry] | None = None
@@ -236,6 +240,8 @@ class BreakableGraphRunner:
             ):
                 self._announce_eager()
                 return self.module(*args, **kwargs)
+            if self._busy:
+                return self.module(*args, **kwargs)
             values: list[bool | int | float] = []
             if self._lift is None:
                 call_args, call_kwargs = args, kwargs
@@ -251,11 +257,13 @@ class BreakableGraphRunner:
                 sig, live = signature_and_tensors(call_args, call_kwargs)
                 entry = self._entries.get(sig)
             if entry is not None:
+                replays = entry.replays
                 try:
                     return self._replay(entry, live, values)
                 finally:
                     # Bookkeeping after the launch: a call starts with the host behind the device.
-                    self._counts["hits"] += 1
+                    if entry.replays > replays:  # a replay that raised served nothing
+                        self._counts["hits"] += 1
                     if sig in self._entries:  # a break may have re-entered and evicted it
                         self._entries.move_to_end(sig)
                         if guarded is None:
@@ -331,6 +339,7 @@ class BreakableGraphRunner:
             for args, kwargs in checked:
                 with self._lock:
                     before = (self._counts["captures"], self._counts["failed"])
+                    self._last_failure.clear()
                     self._discard_outputs = True
                     try:
                         self(*args, **kwargs)
@@ -339,9 +348,8 @@ class BreakableGraphRunner:
                     if self._counts["captures"] > before[0]:
                         sig = next(reversed(self._entries))
                         captured.append(self._entry_stats(sig, self._entries[sig]))
-                    elif self._counts["failed"] > before[1]:
-                        sig = next(reversed(self._blocked))
-                        failed.append((sig, self._blocked[sig]))
+                    elif self._counts["failed"] > before[1] and self._last_failure:
+                        failed.append(self._last_failure[0])
                 advance(call_shapes(args, kwargs))
         seconds = time.perf_counter() - started
         if self._counts["evictions"] > evictions:
@@ -554,6 +562,7 @@ class BreakableGraphRunner:
     ) -> Any:
         pool, lane = self.pool, self.stream
         current = self._graph_backend.current_stream(self.device)
+        self._busy = True
         try:
             entry = capture_entry(
                 self.module,
@@ -571,6 +580,7 @@ class BreakableGraphRunner:
                 capture_error_mode=self.capture_error_mode,
             )
         except BaseException as exc:
+            self._busy = False
             if self._owns_pool:
                 # A capture that failed half-way can leave torch routing host allocations to
                 # the pool; later captures start in a fresh one (the graphs made keep theirs).
@@ -578,6 +588,7 @@ class BreakableGraphRunner:
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt, SystemExit: the pool rule kept, the signature not blamed
             return self._capture_failed(sig, exc, call)
+        self._busy = False
         graph = entry.graph
         if self.max_segments is not None and graph.num_segments > self.max_segments:
             self.disabled_reason = (
@@ -605,6 +616,7 @@ class BreakableGraphRunner:
 
     def _capture_failed(self, sig: Signature, exc: Exception, call: Call) -> Any:
         self._counts["failed"] += 1
+        self._last_failure[:] = [(sig, f"{type(exc).__name__}: {exc}")]
         if isinstance(exc, ConcurrentCaptureError):
             # Not this signature's fault: a later capture (in a warmup window) retries it.
             logger.warning(
@@ -630,6 +642,7 @@ class BreakableGraphRunner:
         # Static buffers and pool memory are free once the last use of the pool is done.
         turn.wait(stream)
         token = flag_on()
+        self._busy = True
         try:
             entry.load(live, values)
             if self.replay_context is None:
@@ -640,6 +653,7 @@ class BreakableGraphRunner:
             entry.store(live)
             out = entry.output if self.return_views else entry.clone()
         finally:
+            self._busy = False
             flag_reset(token)
             turn.record(stream)
         entry.replays += 1
