@@ -85,16 +85,13 @@ class _Registered:
         self._function: Any = weakref.ref(function) if weak else function
         self._fake: Any = weakref.ref(fake) if weak else fake
 
-    def functions(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def functions(self) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+        """The function and its fake; None once a weakly held one died."""
         function, fake = self._function, self._fake
         if isinstance(function, weakref.ref):
             function, fake = function(), fake()
             if function is None or fake is None:
-                raise RuntimeError(
-                    f"bcg: compiled code calls break {self.name!r}, whose decorated function "
-                    "no longer exists; decorate breaks once (at module level or in __init__), "
-                    "not inside the function that calls them"
-                )
+                return None
         return function, fake
 
 
@@ -143,13 +140,15 @@ def _forget(fid: int) -> None:
 
 def _registered(fid: int) -> tuple[Callable[..., Any], Callable[..., Any], str]:
     entry = _functions.get(fid)
-    if entry is None:
+    functions = None if entry is None else entry.functions()
+    if entry is None or functions is None:
+        name = "" if entry is None else f" {entry.name!r}"
         raise RuntimeError(
-            "bcg: compiled code calls a break whose decorated function no longer exists; "
-            "decorate breaks once (at module level or in __init__), not inside the function "
-            "that calls them"
+            f"bcg: compiled code calls a break{name} whose decorated function no longer "
+            "exists; decorate breaks once (at module level or in __init__), not inside the "
+            "function that calls them"
         )
-    return (*entry.functions(), entry.name)
+    return (*functions, entry.name)
 
 
 def traceable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -240,13 +239,18 @@ _eager = torch._disable_dynamo(_call)  # type: ignore[attr-defined]
 _warned: set[Any] = set()
 
 
+def _first_time(key: Any) -> bool:
+    """Whether ``key`` (a kind of notice and a break's name) is seen for the first time."""
+    with _lock:
+        first = key not in _warned
+        _warned.add(key)
+    return first
+
+
 def _refusal(name: str, message: str, kind: type[Exception]) -> Exception:
     """An error raised where dynamo runs a call on fake tensors, logged once per break and
     kind: dynamo reports its own error (with this one as the cause) or graph-breaks."""
-    with _lock:
-        first = (kind, name) not in _warned
-        _warned.add((kind, name))
-    if first:
+    if _first_time((kind, name)):
         logger.warning(message)
     return kind(message)
 
@@ -359,10 +363,7 @@ def _fresh_outputs(
 
 
 def _warn_alias(name: str) -> None:
-    with _lock:
-        first = ("alias", name) not in _warned
-        _warned.add(("alias", name))
-    if first:
+    if _first_time(("alias", name)):
         warnings.warn(
             f"bcg: break {name!r} returned a tensor that shares memory with one of its "
             "arguments; under torch.compile a break is an op, whose outputs may alias nothing, "
@@ -388,8 +389,7 @@ def _real(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
     layout = _layout(key)
     function, _, name = _registered(layout.function)
     args, kwargs = _call_args(layout, mutated, rest)
-    result = function(*args, **kwargs)
-    flat, spec = _fresh_outputs(result, [*mutated, *rest], name)
+    flat, spec = _fresh_outputs(function(*args, **kwargs), [*mutated, *rest], name)
     if spec != layout.out_spec:
         raise BreakOutputError(
             f"break {name!r} returned {spec} at run time, but {layout.out_spec} when "

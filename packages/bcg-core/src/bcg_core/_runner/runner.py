@@ -193,7 +193,7 @@ class BreakableGraphRunner:
         # Set while this runner captures or replays (on the thread holding the lock): a break
         # that calls the runner again gets an eager run, not its own graph half-way through.
         self._busy = False
-        self._last_failure: list[tuple[Signature, str]] = []  # the last failed capture's
+        self._last_failure: tuple[Signature, str] | None = None  # set by _capture_failed
         self._entries: OrderedDict[Signature, Entry] = OrderedDict()
         # The last hit's guard, signature and entry (see _guard_last).
         self._last: tuple[FlatGuard, Signature, Entry] | None = None
@@ -339,7 +339,6 @@ class BreakableGraphRunner:
             for args, kwargs in checked:
                 with self._lock:
                     before = (self._counts["captures"], self._counts["failed"])
-                    self._last_failure.clear()
                     self._discard_outputs = True
                     try:
                         self(*args, **kwargs)
@@ -348,8 +347,9 @@ class BreakableGraphRunner:
                     if self._counts["captures"] > before[0]:
                         sig = next(reversed(self._entries))
                         captured.append(self._entry_stats(sig, self._entries[sig]))
-                    elif self._counts["failed"] > before[1] and self._last_failure:
-                        failed.append(self._last_failure[0])
+                    elif self._counts["failed"] > before[1]:
+                        assert self._last_failure is not None  # what _capture_failed counted
+                        failed.append(self._last_failure)
                 advance(call_shapes(args, kwargs))
         seconds = time.perf_counter() - started
         if self._counts["evictions"] > evictions:
@@ -616,7 +616,7 @@ class BreakableGraphRunner:
 
     def _capture_failed(self, sig: Signature, exc: Exception, call: Call) -> Any:
         self._counts["failed"] += 1
-        self._last_failure[:] = [(sig, f"{type(exc).__name__}: {exc}")]
+        self._last_failure = (sig, f"{type(exc).__name__}: {exc}")
         if isinstance(exc, ConcurrentCaptureError):
             # Not this signature's fault: a later capture (in a warmup window) retries it.
             logger.warning(
