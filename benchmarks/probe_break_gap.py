@@ -37,7 +37,7 @@ LAYERS, HIDDEN, HEADS, CONTEXT, PER_SIDE = 16, 1024, 16, 1024, 6
 Step = Callable[[], object]
 
 
-def _device_us(step: Step, steps: int = 30, rounds: int = 7) -> tuple[float, float]:
+def queued_device_us(step: Step, steps: int = 30, rounds: int = 7) -> tuple[float, float]:
     """Device us per step (host queued ahead behind a sleep) and host us per step."""
     device_times, host_times = [], []
     for _ in range(rounds):
@@ -54,6 +54,20 @@ def _device_us(step: Step, steps: int = 30, rounds: int = 7) -> tuple[float, flo
         device_times.append(start.elapsed_time(end) * 1e3 / steps)
         host_times.append(host)
     return statistics.median(device_times), statistics.median(host_times)
+
+
+def warmed_graph(fn: Step, pool: object, keep: bool = False) -> torch.cuda.CUDAGraph:
+    """``fn`` run twice on a side stream, then captured into one torch graph in ``pool``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph(keep_graph=keep)
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph
 
 
 def synthetic() -> None:
@@ -94,18 +108,7 @@ def synthetic() -> None:
             post()
 
     pool = torch.cuda.graph_pool_handle()
-
-    def graph_of(fn: Step) -> torch.cuda.CUDAGraph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            fn()
-        return graph
+    graph_of = functools.partial(warmed_graph, pool=pool)
 
     full = graph_of(whole)
     full_no_copy_graph = graph_of(lambda: [(pre(), attention(), post()) for _ in range(LAYERS)])
@@ -145,7 +148,7 @@ def synthetic() -> None:
     for fn in variants.values():
         fn()
     torch.cuda.synchronize()
-    results = {name: _device_us(fn) for name, fn in variants.items()}
+    results = {name: queued_device_us(fn) for name, fn in variants.items()}
     base = results["one graph"][0]
     print(f"synthetic: {LAYERS} layers, {PER_SIDE} GEMV+tanh each side, sdpa over {CONTEXT}")
     for name, (device_us, host_us) in results.items():
@@ -250,7 +253,7 @@ def compiled_llama() -> None:
         }
         print("hf-llama batch 1, compiled, device us per step (host queued ahead):")
         for name, fn in contenders.items():
-            device_us, host_us = _device_us(fn)
+            device_us, host_us = queued_device_us(fn)
             print(f"  {name:16s} device {device_us:8.1f} us/step  host {host_us:8.1f}")
         print("profiled (5 steps, medians of the last 4):")
         profiles = {name: _profile_steps(fn) for name, fn in contenders.items()}
@@ -272,14 +275,14 @@ def compiled_llama() -> None:
 
         torch.Tensor.copy_ = as_kernel  # type: ignore[method-assign]
         try:
-            device_us, host_us = _device_us(runner)
+            device_us, host_us = queued_device_us(runner)
             print(
                 f"  bcg+compile, bridge copies as _foreach_copy_ kernels: device {device_us:8.1f}"
             )
             _listing("bcg+compile (kernel copies)", _profile_steps(runner)[-1], 25)
         finally:
             torch.Tensor.copy_ = plain_copy  # type: ignore[method-assign]
-        device_us, _ = _device_us(runner)
+        device_us, _ = queued_device_us(runner)
         print(f"  bcg+compile again, memcpy copies: device {device_us:8.1f}")
 
 
@@ -328,12 +331,12 @@ def host_costs() -> None:
             "bcg (eager kernels)": BreakableGraphRunner(step, device="cuda", return_views=True),
         }
         print(f"hf-llama batch {batch}: device us per step (8 steps queued), host us per step")
-        d, h = _device_us(graph.replay, steps=8)
+        d, h = queued_device_us(graph.replay, steps=8)
         print(f"  {'compiled_graph':22s} device {d:8.1f}  host {h:8.1f}")
         for name, runner in runners.items():
             runner.capture()
             (entry,) = runner._entries.values()
-            d, h = _device_us(entry.graph.replay, steps=8)
+            d, h = queued_device_us(entry.graph.replay, steps=8)
             print(
                 f"  {name:22s} device {d:8.1f}  host {h:8.1f}  host per replay, device "
                 f"synchronised every 10: {_host_us(entry.graph.replay):8.1f}"
@@ -385,8 +388,8 @@ def backends() -> None:
             (entry,) = runner._entries.values()
             plain, ours = [], []
             for _ in range(9):
-                plain.append(_device_us(graph.replay, steps=8, rounds=1)[0])
-                ours.append(_device_us(entry.graph.replay, steps=8, rounds=1)[0])
+                plain.append(queued_device_us(graph.replay, steps=8, rounds=1)[0])
+                ours.append(queued_device_us(entry.graph.replay, steps=8, rounds=1)[0])
             ratios = sorted(b / a for a, b in zip(plain, ours, strict=True))
             breaks = entry.graph.num_breaks
             print(

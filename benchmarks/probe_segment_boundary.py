@@ -23,26 +23,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from probe_break_gap import queued_device_us, warmed_graph
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 LAYERS, HIDDEN, HEADS, CONTEXT, PER_SIDE = 16, 1024, 16, 1024, 6
 Step = Callable[[], object]
-
-
-def device_us(step: Step, steps: int = 30, rounds: int = 7) -> float:
-    """Median device us per step, every step queued behind a ~100 ms sleep kernel."""
-    times = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(200_000_000)
-        start.record()
-        for _ in range(steps):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / steps)
-    return statistics.median(times)
 
 
 class Work:
@@ -76,16 +61,7 @@ class Work:
         return F.scaled_dot_product_attention(self.q, self.k, self.v)
 
     def graph(self, fn: Step, keep: bool = False) -> torch.cuda.CUDAGraph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph(keep_graph=keep)
-        with torch.cuda.graph(graph, pool=self.pool):
-            fn()
-        return graph
+        return warmed_graph(fn, self.pool, keep)
 
     def segments(self, keep: bool = False) -> list[torch.cuda.CUDAGraph]:
         first = self.graph(self.pre, keep)
@@ -166,6 +142,10 @@ def boundary_gaps(step: Step, steps: int = 4) -> str:
     )
 
 
+def _device(step: Step) -> float:
+    return queued_device_us(step)[0]
+
+
 def main() -> None:
     w = Work()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -192,12 +172,10 @@ def main() -> None:
     torch_launches: list[Step] = [g.replay for g in segs]
     no_attention = w.graph(layers(False))
     rows: dict[str, float] = {}
-    rows["one graph, no attention"] = device_us(no_attention.replay)
-    rows["17 graphs, nothing between"] = device_us(split(torch_launches, None))
-    rows["17 graphs, eager tiny kernel"] = device_us(
-        split(torch_launches, lambda: w.bridge.add_(0))
-    )
-    rows["17 graphs, two streams"] = device_us(two_streams(segs))
+    rows["one graph, no attention"] = _device(no_attention.replay)
+    rows["17 graphs, nothing between"] = _device(split(torch_launches, None))
+    rows["17 graphs, eager tiny kernel"] = _device(split(torch_launches, lambda: w.bridge.add_(0)))
+    rows["17 graphs, two streams"] = _device(two_streams(segs))
     kept = w.segments(keep=True)
     for flag in ("cudaGraphInstantiateFlagUpload", "cudaGraphInstantiateFlagDeviceLaunch"):
         launches = hand_instantiated(kept, flag)
@@ -207,7 +185,7 @@ def main() -> None:
         for launch in launches:
             launch()
         torch.cuda.synchronize()
-        rows[f"17 graphs, {flag[len('cudaGraphInstantiateFlag') :]}"] = device_us(
+        rows[f"17 graphs, {flag[len('cudaGraphInstantiateFlag') :]}"] = _device(
             split(launches, None)
         )
     for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
@@ -226,9 +204,9 @@ def main() -> None:
             with sdpa_kernel(backend):
                 w.attention()
 
-        rows[f"one graph, {name}"] = device_us(whole.replay)
-        rows[f"17 graphs, eager {name} + copy"] = device_us(split(torch_launches, eager_bridged))
-        rows[f"17 graphs, eager {name}"] = device_us(split(torch_launches, eager_only))
+        rows[f"one graph, {name}"] = _device(whole.replay)
+        rows[f"17 graphs, eager {name} + copy"] = _device(split(torch_launches, eager_bridged))
+        rows[f"17 graphs, eager {name}"] = _device(split(torch_launches, eager_only))
     base = rows["one graph, no attention"]
     for name, us in rows.items():
         print(f"  {name:44s} device {us:8.1f} us/step  ({(us - base) / LAYERS:+6.2f} us per layer)")
