@@ -6,7 +6,11 @@ walked by ``_trees.py`` (the one walker), and the signature is its structure (th
 container types, dict keys, field and attribute names, lengths) plus one key per leaf:
 
 - a tensor in containers (lists, tuples, dicts, named tuples...): shape, dtype, device; the
-  runner copies it into a static buffer at every call;
+  runner copies it into a static buffer at every call. Only a dense strided tensor of torch's
+  own type (or a parameter) is copied (:func:`is_plain_tensor`): a sparse, nested or mkldnn
+  tensor, or a tensor subclass, is an object of the signature, keyed by identity and passed
+  as itself (a static buffer would be a plain dense tensor, and replaying a graph captured on
+  one would not run what eager runs);
 - a tensor inside a dataclass or plain object: shape, dtype, device **and storage address**.
   Objects (metadata, caches) are passed to the model as themselves, so the graph reads those
   tensors where they were at capture; a tensor rebound to another address gives another
@@ -35,6 +39,19 @@ import torch
 from bcg_core import _trees
 
 Signature = tuple[Any, ...]
+
+_STRIDED = torch.strided
+
+
+def is_plain_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` can stand in a static buffer: a dense strided ``torch.Tensor`` or
+    parameter (not sparse, nested or mkldnn, not a subclass)."""
+    cls = type(t)
+    return (
+        (cls is torch.Tensor or cls is torch.nn.Parameter)
+        and t.layout is _STRIDED
+        and not t.is_nested
+    )
 
 
 class ScalarInput(_trees.Opaque):
@@ -117,6 +134,8 @@ def _flat_signature(
     for leaf in (*args, *(kwargs[n] for n in names)) if names else args:
         cls = type(leaf)
         if cls is torch.Tensor:
+            if leaf.layout is not _STRIDED or leaf.is_nested:
+                return None  # an object of the signature (see is_plain_tensor)
             keys.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device))
             live.append(leaf)
         elif cls is ScalarInput:
@@ -151,7 +170,7 @@ class FlatGuard:
         others: list[tuple[int, type, Any]] = []
         for i, leaf in enumerate((*args, *(kwargs[n] for n in self._names))):
             cls = type(leaf)
-            if cls is torch.Tensor:
+            if cls is torch.Tensor and leaf.layout is _STRIDED and not leaf.is_nested:
                 tensors.append((i, leaf.shape, leaf.dtype, leaf.device))
             elif cls is ScalarInput or cls in _trees.SCALARS:
                 others.append((i, cls, leaf))
@@ -190,9 +209,9 @@ class FlatGuard:
         live: list[torch.Tensor] = []
         for i, shape, dtype, device in self._tensors:
             t = leaves[i]
-            if type(t) is not torch.Tensor or t.shape != shape or t.dtype != dtype:
+            if type(t) is not torch.Tensor or t.layout is not _STRIDED or t.is_nested:
                 return None
-            if t.device != device:
+            if t.shape != shape or t.dtype != dtype or t.device != device:
                 return None
             live.append(t)
         return live
@@ -215,7 +234,7 @@ def walked_signature(
     keys: list[Any] = []
     live: list[torch.Tensor] = []
     for leaf, inside in zip(leaves, _trees.in_object(spec), strict=True):
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, torch.Tensor) and is_plain_tensor(leaf):
             if inside:
                 keys.append(("tensor@", tuple(leaf.shape), leaf.dtype, leaf.device, _addr(leaf)))
             else:
@@ -226,8 +245,20 @@ def walked_signature(
         elif isinstance(leaf, _CONSTANTS):
             keys.append(("const", _const_kind(leaf), leaf))
         else:
-            keys.append(("object", type(leaf).__qualname__, id(leaf)))
+            keys.append(("object", _object_kind(leaf), id(leaf)))
     return (spec, tuple(keys)), live
+
+
+def _object_kind(leaf: Any) -> str:
+    """An identity leaf's type name; a tensor that is not plain says why it is one."""
+    name = type(leaf).__qualname__
+    if not isinstance(leaf, torch.Tensor):
+        return name
+    if leaf.is_nested:
+        return f"{name} (nested)"
+    if leaf.layout is not _STRIDED:
+        return f"{name} ({str(leaf.layout).removeprefix('torch.')})"
+    return f"{name} (a tensor subclass)"
 
 
 def _addr(t: torch.Tensor) -> tuple[int, tuple[int, ...]]:
@@ -237,9 +268,14 @@ def _addr(t: torch.Tensor) -> tuple[int, tuple[int, ...]]:
 def static_call(
     args: tuple[Any, ...], kwargs: dict[str, Any], make_static: Any
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``(args, kwargs)`` with every tensor in containers replaced by ``make_static(t)``;
-    dataclasses and plain objects are passed as themselves."""
-    call = _trees.map_tensors(_call(args, kwargs), make_static, into_objects=False)
+    """``(args, kwargs)`` with every plain tensor (:func:`is_plain_tensor`) in containers
+    replaced by ``make_static(t)``; other tensors, dataclasses and plain objects are passed as
+    themselves."""
+
+    def static(t: torch.Tensor) -> Any:
+        return make_static(t) if is_plain_tensor(t) else t
+
+    call = _trees.map_tensors(_call(args, kwargs), static, into_objects=False)
     return call[0], call[1]
 
 
@@ -293,7 +329,12 @@ def _copy_pairs(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 def identity_objects(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """The leaves a signature refers to by identity (to be kept alive with their entry)."""
     leaves, _ = _trees.flatten(_call(args, kwargs))
-    return [x for x in leaves if not isinstance(x, (torch.Tensor, ScalarInput, *_CONSTANTS))]
+    return [
+        x
+        for x in leaves
+        if not isinstance(x, (ScalarInput, *_CONSTANTS))
+        and not (isinstance(x, torch.Tensor) and is_plain_tensor(x))
+    ]
 
 
 def flatten_signature(sig: Signature) -> dict[str, Any]:
@@ -306,6 +347,12 @@ def flatten_signature(sig: Signature) -> dict[str, Any]:
         root = "args" if path.startswith("[0]") else "kwargs"
         out[root + path[3:]] = key
     return out
+
+
+def tensor_paths(sig: Signature) -> list[str]:
+    """The paths of a signature's tensors in containers (``args[0]``, ``kwargs['x']``), in the
+    order of the call's static buffers."""
+    return [path for path, key in flatten_signature(sig).items() if key[0] == "tensor"]
 
 
 def _describe(leaf: Any) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from bcg_core import _trees
 from bcg_core._backends import GraphBackend
 from bcg_core._capture.capture import BreakableCUDAGraphCapture
 from bcg_core._capture.flag import enable_breakable_cuda_graph
@@ -88,6 +89,7 @@ def capture_entry(
             BreakableCUDAGraphCapture(graph, capture_error_mode=capture_error_mode),
         ):
             output = module(*static_args, **static_kwargs)
+        output = _trees.map_tensors(output, _without_history)
         backend.synchronize((lane,))
         done = time.perf_counter()
     except BaseException:
@@ -106,6 +108,7 @@ def capture_entry(
         capture_ms=(done - captured) * 1e3,
         pool_bytes=graph.pool_bytes(),
         warmup_ms=(captured - started) * 1e3,
+        inference=torch.is_inference_mode_enabled(),
         # Arguments the captured step wrote in place (a KV cache, a position advanced): copied
         # back after every replay, as eager would have left them. (An in-place change of
         # shape, such as unsqueeze_, is not replayed by a graph: nothing to copy.)
@@ -115,3 +118,9 @@ def capture_entry(
             if t._version != versions[i] and t.shape == live[i].shape
         ),
     )
+
+
+def _without_history(t: torch.Tensor) -> torch.Tensor:
+    # Replays overwrite what the capture's autograd graph saved: a backward through it would
+    # compute from other values. Outputs of a replay carry no history.
+    return t.detach() if t.requires_grad else t

@@ -43,7 +43,9 @@ class Entry:
     would synchronise the stream. The buffers at the positions in ``written`` are the arguments
     the graph writes in place (their version counters moved during the capture): after each
     replay they are copied back into the caller's tensors (:meth:`store`), so an in-place update
-    is never lost.
+    is never lost. ``inference`` is whether the capture ran in inference mode: replays run in
+    the same mode. ``output`` never requires grad (detached at capture): a replay serves
+    inference, and autograd history from the capture would point at overwritten memory.
     """
 
     graph: BreakableCUDAGraph
@@ -57,6 +59,7 @@ class Entry:
     capture_ms: float
     pool_bytes: int | None
     written: tuple[int, ...] = ()
+    inference: bool = False
     replays: int = 0
     warmup_ms: float = 0.0
     _copy: tuple[int, ...] = field(init=False)

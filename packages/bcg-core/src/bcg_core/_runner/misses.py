@@ -23,6 +23,7 @@ class MissLog:
     def __init__(self, owner: str) -> None:
         self._owner = owner
         self._logged: set[Signature] = set()
+        self._refusals: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._logged)
@@ -51,6 +52,14 @@ class MissLog:
             why,
         )
 
+    def refused(self, reason: str, message: str) -> None:
+        """Log, once per ``reason``, a call the runner runs eagerly although it has (or may
+        capture) a graph for its signature."""
+        if reason not in self._refusals:
+            self._refusals.add(reason)
+            logger.warning("bcg: %s: %s", self._owner, message)
+
     def clear(self) -> None:
-        """Forget the logged signatures (a reset runner logs its misses anew)."""
+        """Forget the logged signatures and refusals (a reset runner logs them anew)."""
         self._logged.clear()
+        self._refusals.clear()

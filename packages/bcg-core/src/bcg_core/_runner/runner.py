@@ -28,6 +28,7 @@ from bcg_core._runner.calls import Call, call_bytes, call_shapes, check_call
 from bcg_core._runner.capture_entry import capture_entry
 from bcg_core._runner.entry import Entry
 from bcg_core._runner.misses import MissLog
+from bcg_core._runner.overlap import written_overlap
 from bcg_core._runner.pool import PoolTurn, share_turn
 from bcg_core._runner.progress import capture_progress
 from bcg_core._runner.scalars import ScalarSlots
@@ -38,6 +39,7 @@ from bcg_core._signature import (
     describe_difference,
     describe_signature,
     signature_and_tensors,
+    tensor_paths,
 )
 
 logger = logging.getLogger("bcg_core")
@@ -92,7 +94,13 @@ class BreakableGraphRunner:
     counter moved during capture: a KV cache update, a position advanced with ``add_``), the
     buffer is copied back into the caller's tensor after every replay (and after the capture),
     so the caller sees what eager would have left there. Tensors inside objects are used in
-    place (keyed by address), never copied.
+    place (keyed by address), never copied. A call where an argument the graph writes shares
+    memory with another argument runs eagerly (a miss, warned once): separate buffers would
+    not see the write through the other.
+
+    **Inference.** Outputs of a replay (and of a capture) carry no autograd history; a graph
+    replays in the inference mode it was captured in, and its output is cloned in the
+    caller's mode.
 
     **Failure modes.** Breakable graphs disabled (``BCG_DISABLE=1`` or inside
     :func:`disable_breakable_graphs`): every call runs eagerly, announced once per runner. A
@@ -257,6 +265,8 @@ class BreakableGraphRunner:
                 sig, live = signature_and_tensors(call_args, call_kwargs)
                 entry = self._entries.get(sig)
             if entry is not None:
+                if entry.written and written_overlap(live, entry.written):
+                    return self._refuse(sig, live, entry.written, (args, kwargs))
                 replays = entry.replays
                 try:
                     return self._replay(entry, live, values)
@@ -590,6 +600,11 @@ class BreakableGraphRunner:
             return self._capture_failed(sig, exc, call)
         self._busy = False
         graph = entry.graph
+        if written_overlap(live, entry.written):
+            # The capture ran on separate buffers: its result is not what eager gives. The
+            # caller's tensors are untouched (nothing was copied back), so eager runs cleanly.
+            graph.reset()
+            return self._refuse(sig, live, entry.written, call)
         if self.max_segments is not None and graph.num_segments > self.max_segments:
             self.disabled_reason = (
                 f"a capture produced {graph.num_segments} graph segments, more than "
@@ -636,6 +651,24 @@ class BreakableGraphRunner:
         )
         return self.module(*call[0], **call[1])
 
+    def _refuse(
+        self, sig: Signature, live: list[torch.Tensor], written: tuple[int, ...], call: Call
+    ) -> Any:
+        """Run eagerly a call whose written argument shares memory with another argument (see
+        ``overlap.py``): a miss, said once."""
+        self._counts["misses"] += 1
+        pair = written_overlap(live, written)
+        assert pair is not None  # why the call was refused
+        paths = tensor_paths(sig)
+        self._misses.refused(
+            "overlap",
+            f"{paths[pair[0]]} and {paths[pair[1]]} of this call share memory and the "
+            f"captured step writes {paths[pair[0]]} in place; the runner copies each argument "
+            "into a buffer of its own, so such calls run eagerly: pass tensors that do not "
+            "overlap (clone one) to replay the graph",
+        )
+        return self.module(*call[0], **call[1])
+
     def _replay(self, entry: Entry, live: list[torch.Tensor], values: list[Any]) -> Any:
         stream = self._graph_backend.current_stream(self._stream_device)
         turn = self._turn
@@ -643,14 +676,29 @@ class BreakableGraphRunner:
         turn.wait(stream)
         token = flag_on()
         self._busy = True
+        # The graph runs in the capture's inference mode: its bridges and what its breaks read
+        # are inference tensors or not as at capture, and writing them in the other mode
+        # raises. The output is cloned in the caller's mode. (Entered by hand, not in a `with`
+        # frame: a replay in the capture's mode pays one test.)
+        mode = (
+            None
+            if torch.is_inference_mode_enabled() is entry.inference
+            else torch.inference_mode(entry.inference)
+        )
         try:
-            entry.load(live, values)
-            if self.replay_context is None:
-                entry.graph.replay()
-            else:
-                with self.replay_context():
+            if mode is not None:
+                mode.__enter__()
+            try:
+                entry.load(live, values)
+                if self.replay_context is None:
                     entry.graph.replay()
-            entry.store(live)
+                else:
+                    with self.replay_context():
+                        entry.graph.replay()
+                entry.store(live)
+            finally:
+                if mode is not None:
+                    mode.__exit__(None, None, None)
             out = entry.output if self.return_views else entry.clone()
         finally:
             self._busy = False

@@ -93,7 +93,8 @@ class RunnerStats:
     Attributes:
         hits: calls served by a replay.
         misses: calls run eagerly for want of a graph: an unknown signature outside a capture
-            window, or a blocked one.
+            window, a blocked one, or a call whose argument written by the graph shares
+            memory with another argument.
         captures: successful captures.
         failed_captures: captures that raised (their signatures are blocked).
         evictions: entries dropped beyond ``max_entries`` (least recently used first).

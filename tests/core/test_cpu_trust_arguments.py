@@ -1,0 +1,170 @@
+"""Arguments a replay cannot serve as it was captured, on the shared ``device`` fixture (the
+CPU graph backend, and CUDA where a GPU is): each was a silently wrong result or an unclear
+crash, and is now an eager run, a separate signature or an output without autograd history."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+from bcg_core import BreakableGraphRunner, eager_on_graph, signature_of
+
+
+def _bump_then_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a.add_(1)
+    return a + b
+
+
+# -- a written argument sharing memory with another ----------------------------------------------
+
+
+def test_one_tensor_passed_twice_to_a_step_that_writes_it_runs_eagerly(
+    device: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    runner = BreakableGraphRunner(_bump_then_add, device=device, warmup_iters=0)
+    x, y = torch.ones(3, device=device), torch.ones(3, device=device)
+    assert torch.equal(runner.capture(x, y), torch.full((3,), 3.0, device=device))
+    x = torch.ones(3, device=device)
+    with caplog.at_level(logging.WARNING, logger="bcg_core"):
+        out = runner(x, x)
+    # Eager: x becomes 2, then 2 + 2. Two static buffers would give 2 + 1.
+    assert torch.equal(out, torch.full((3,), 4.0, device=device))
+    assert torch.equal(x, torch.full((3,), 2.0, device=device))
+    assert "args[0] and args[1] of this call share memory" in caplog.text
+    assert runner.stats.misses == 1 and runner.stats.hits == 0
+    x, y = torch.ones(3, device=device), torch.ones(3, device=device)
+    assert torch.equal(runner(x, y), torch.full((3,), 3.0, device=device))  # still replays
+    assert runner.stats.hits == 1
+
+
+def test_a_capture_with_overlapping_written_arguments_keeps_no_graph(device: str) -> None:
+    def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a.mul_(2)
+        return b.clone()
+
+    runner = BreakableGraphRunner(step, device=device, warmup_iters=1)
+    z = torch.arange(4.0, device=device)
+    # Eager: z[:3] doubled in place, then z[1:] read: [2, 4, 3].
+    assert torch.equal(runner.capture(z[:3], z[1:]), torch.tensor([2.0, 4.0, 3.0], device=device))
+    assert torch.equal(z, torch.tensor([0.0, 2.0, 4.0, 3.0], device=device))
+    assert runner.stats.captures == 0 and runner.stats.failed_captures == 0
+    assert runner.blocked_signatures == {}  # separate tensors of this signature still capture
+    a, b = torch.ones(3, device=device), torch.ones(3, device=device)
+    assert torch.equal(runner.capture(a, b), torch.ones(3, device=device))
+    assert runner.stats.captures == 1
+
+
+def test_disjoint_slices_of_one_tensor_replay(device: str) -> None:
+    # A KV cache passed as per-layer slices of one allocation: no overlap, no eager run.
+    def step(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k.add_(1)
+        v.add_(2)
+        return k + v
+
+    runner = BreakableGraphRunner(step, device=device, warmup_iters=0)
+    cache = torch.zeros(2, 3, device=device)
+    runner.capture(cache[0], cache[1])
+    cache = torch.zeros(2, 3, device=device)
+    assert torch.equal(runner(cache[0], cache[1]), torch.full((3,), 3.0, device=device))
+    assert torch.equal(cache, torch.tensor([[1.0] * 3, [2.0] * 3], device=device))
+    assert runner.stats.hits == 1 and runner.stats.misses == 0
+
+
+def test_a_tensor_passed_twice_to_a_step_that_only_reads_it_replays(device: str) -> None:
+    runner = BreakableGraphRunner(lambda a, b: a * b, device=device, warmup_iters=0)
+    runner.capture(torch.ones(3, device=device), torch.ones(3, device=device))
+    x = torch.arange(3.0, device=device)
+    assert torch.equal(runner(x, x), x * x)
+    assert runner.stats.hits == 1
+
+
+# -- tensors that are not plain dense tensors -----------------------------------------------------
+
+
+class _Tagged(torch.Tensor):
+    pass
+
+
+def test_sparse_nested_and_subclass_tensors_are_objects_of_the_signature() -> None:
+    dense = torch.ones(2, 2)
+    sparse = torch.eye(2).to_sparse()
+    tagged = torch.ones(2, 2).as_subclass(_Tagged)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors are a prototype
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    plain = signature_of((dense,), {})
+    for other in (sparse, tagged, nested):
+        sig = signature_of((other,), {})
+        assert sig != plain
+        assert sig[1][0][0] == "object"
+    assert "sparse_coo" in signature_of((sparse,), {})[1][0][1]
+
+
+def test_a_sparse_tensor_of_the_captured_shape_runs_eagerly() -> None:
+    runner = BreakableGraphRunner(lambda x: x * 2, device="cpu", warmup_iters=0)
+    runner.capture(torch.ones(2, 2))
+    sparse = torch.eye(2).to_sparse()
+    for _ in range(2):  # the second call would meet the last hit's guard
+        out = runner(sparse)
+        assert out.layout == torch.sparse_coo
+        assert torch.equal(out.to_dense(), torch.eye(2) * 2)
+    tagged = runner(torch.ones(2, 2).as_subclass(_Tagged))
+    assert type(tagged) is _Tagged
+    assert runner.stats.misses == 3
+    assert torch.equal(runner(torch.ones(2, 2)), torch.full((2, 2), 2.0))
+    assert runner.stats.hits == 1
+
+
+def test_a_failed_sparse_capture_does_not_block_the_dense_signature() -> None:
+    runner = BreakableGraphRunner(lambda x: x * 2, device="cpu", warmup_iters=0)
+    with runner.warmup():
+        runner(torch.eye(2).to_sparse())  # cannot be captured: eager, its own signature blocked
+        assert torch.equal(runner(torch.ones(2, 2)), torch.full((2, 2), 2.0))
+    assert runner.stats.captures == 1
+    assert torch.equal(runner(torch.ones(2, 2)), torch.full((2, 2), 2.0))
+    assert runner.stats.hits == 1
+
+
+# -- autograd and inference mode ------------------------------------------------------------------
+
+
+def test_replay_outputs_carry_no_autograd_history(device: str) -> None:
+    lin = torch.nn.Linear(2, 2).to(device)
+    runner = BreakableGraphRunner(lin, device=device, warmup_iters=1)
+    captured = runner.capture(torch.ones(1, 2, device=device))
+    x = torch.randn(1, 2, device=device, requires_grad=True)
+    out = runner(x)
+    for t in (captured, out):
+        assert t.grad_fn is None and not t.requires_grad
+    assert torch.allclose(out, lin(x).detach())
+    # A backward through the capture's graph would read overwritten memory; now it is refused.
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        out.sum().backward()
+    assert lin.weight.grad is None
+
+
+@eager_on_graph(name="trust_args.double")
+def _double(y: torch.Tensor) -> torch.Tensor:
+    return y * 2
+
+
+def _step(x: torch.Tensor) -> torch.Tensor:
+    return _double(x + 1) + 1
+
+
+@pytest.mark.parametrize("captured_in_inference", [True, False])
+def test_a_graph_replays_in_either_inference_mode(device: str, captured_in_inference: bool) -> None:
+    runner = BreakableGraphRunner(_step, device=device, warmup_iters=1)
+    with torch.inference_mode(captured_in_inference):
+        runner.capture(torch.ones(2, device=device))
+    for mode in (not captured_in_inference, captured_in_inference):
+        with torch.inference_mode(mode):
+            out = runner(torch.full((2,), 2.0, device=device))
+            assert out.is_inference() is mode  # what eager gives in that mode
+        assert torch.equal(out, torch.full((2,), 7.0, device=device))
+        if not mode:
+            out.add_(1)  # a normal tensor: writable outside inference mode
+    assert runner.stats.hits == 2
