@@ -151,10 +151,10 @@ def test_alias_tree_keeps_structure_and_passes_cpu_through() -> None:
     Pair = namedtuple("Pair", "a b")
     x = torch.ones(2)
     tree: Any = {"p": Pair(x, 3), "l": [x, "s"], "t": (x,)}
-    out = alias_tree(tree, frozenset({"cuda"}))
+    out = alias_tree(tree, frozenset({"cuda"}), "cuda")
     assert isinstance(out["p"], Pair) and out["p"].b == 3
     assert out["p"].a is x and out["l"][0] is x and out["t"][0] is x  # CPU: unchanged
-    forced = alias_tree(tree, frozenset({"cpu"}))
+    forced = alias_tree(tree, frozenset({"cpu"}), "cpu")
     assert forced["p"].a is not x and forced["p"].a.data_ptr() == x.data_ptr()
     assert forced["l"][1] == "s"
 

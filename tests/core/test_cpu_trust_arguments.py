@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from bcg_core import BreakableGraphRunner, eager_on_graph, signature_of
+from bcg_core import BreakableGraphRunner, disable_breakable_graphs, eager_on_graph, signature_of
 
 
 def _bump_then_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -168,3 +168,35 @@ def test_a_graph_replays_in_either_inference_mode(device: str, captured_in_infer
         if not mode:
             out.add_(1)  # a normal tensor: writable outside inference mode
     assert runner.stats.hits == 2
+
+
+# -- capture_many's report ------------------------------------------------------------------------
+
+
+@eager_on_graph(name="trust_args.inc")
+def _inc(y: torch.Tensor) -> torch.Tensor:
+    return y + 1
+
+
+def test_capture_many_reports_the_calls_a_disabled_runner_did_not_capture() -> None:
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return _inc(x * 2) * 3
+
+    runner = BreakableGraphRunner(step, device="cpu", warmup_iters=0, max_segments=1)
+    report = runner.capture_many([((torch.ones(n),), {}) for n in (3, 2, 1)])
+    assert report.captured == ()
+    assert len(report.failed) == 3  # used to report nothing captured and nothing failed
+    assert "more than max_segments=1" in report.failed[0][1]
+    assert all(why.startswith("the runner is disabled") for _, why in report.failed)
+
+
+def test_capture_many_reports_calls_under_disabled_graphs() -> None:
+    runner = BreakableGraphRunner(lambda x: x * 2, device="cpu", warmup_iters=0)
+    with disable_breakable_graphs():
+        report = runner.capture_many([((torch.ones(n),), {}) for n in (1, 2)])
+    assert report.captured == () and len(report.failed) == 2
+    assert all("breakable graphs are disabled" in why for _, why in report.failed)
+    again = runner.capture_many([((torch.ones(n),), {}) for n in (1, 2)])
+    assert len(again.captured) == 2 and again.failed == ()
+    replayed = runner.capture_many([((torch.ones(n),), {}) for n in (1, 2)])
+    assert replayed.captured == () and replayed.failed == ()  # replays are not reported

@@ -35,6 +35,7 @@ import copy
 import dataclasses
 import enum
 import functools
+import math
 import types
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -208,8 +209,15 @@ PLAIN_VALUES = (type(None), bool, int, float, str)
 
 
 def same_value(got: Any, want: Any) -> bool:
-    """Whether a plain value came back as it was: the same type and equal (NaN equals NaN)."""
-    return type(got) is type(want) and (got == want or (got != got and want != want))
+    """Whether a plain value came back as it was: the same type and equal (NaN equals NaN;
+    ``-0.0`` is not ``0.0``: ``x / -0.0`` is not ``x / 0.0``)."""
+    if type(got) is not type(want):
+        return False
+    if got != got:
+        return want != want
+    if got == want:
+        return type(got) is not float or math.copysign(1.0, got) == math.copysign(1.0, want)
+    return False
 
 
 def tensor_leaves(obj: Any, *, into_objects: bool = True) -> list[torch.Tensor]:

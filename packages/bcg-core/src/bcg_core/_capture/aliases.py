@@ -41,10 +41,20 @@ def alias_tensor(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def alias_tree(obj: Any, device_types: frozenset[str]) -> Any:
-    """``obj`` with every tensor on ``device_types`` replaced by :func:`alias_tensor`."""
+def alias_tree(obj: Any, device_types: frozenset[str], device_type: str) -> Any:
+    """``obj`` with every tensor on ``device_types`` replaced by :func:`alias_tensor`.
+
+    Containers (lists, dicts, tuples) holding a tensor of the graph's ``device_type`` are
+    therefore rebuilt, so a host value in them is the capture's at every replay (an engine
+    changing ``meta[1]`` in place is not seen; an object's attributes are). A backend that
+    aliases nothing (CPU) rebuilds them all the same, around detached views of the same memory,
+    so that it replays what CUDA replays."""
 
     def leaf(t: torch.Tensor) -> torch.Tensor:
-        return alias_tensor(t) if t.device.type in device_types else t
+        if t.device.type in device_types:
+            return alias_tensor(t)
+        if t.device.type == device_type and not device_types and not t.requires_grad:
+            return t.detach()  # another object on the same memory, as an alias is
+        return t
 
     return _trees.map_tensors(obj, leaf, into_objects=False)

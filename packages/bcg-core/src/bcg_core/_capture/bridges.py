@@ -100,6 +100,7 @@ class Bridge:
         "_meta",
         "_name",
         "_pinned",
+        "_same_if_identical",
         "_single",
         "_spec",
         "_twins",
@@ -138,6 +139,14 @@ class Bridge:
             for i, d in enumerate(x for x in leaves if isinstance(x, torch.Tensor))
         ]
         self._single = isinstance(output, torch.Tensor)
+        # The same object back again is the same output only when it cannot have changed: a
+        # tensor, a plain value, or a tuple of those. A list, dict or object returned again may
+        # hold other tensors (a metadata object whose fields the break rebinds).
+        self._same_if_identical = (
+            self._single
+            or type(output) in _trees.PLAIN_VALUES
+            or (type(output) is tuple and self._flat_items_plain(output))
+        )
         # Outputs whose memory at capture was an argument's: the code after the break reads it
         # as both, so a replay may not copy a fresh tensor there. Outputs sharing one storage
         # (a tensor returned twice): a replay must return one tensor for all of them again.
@@ -156,14 +165,27 @@ class Bridge:
         ):
             self._flat = (type(output), tuple(isinstance(x, torch.Tensor) for x in output))
 
+    @staticmethod
+    def _flat_items_plain(items: tuple[Any, ...]) -> bool:
+        return all(isinstance(x, torch.Tensor) or type(x) in _trees.PLAIN_VALUES for x in items)
+
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(m[0] for m in self._meta)
 
+    @property
+    def trivial(self) -> bool:
+        """The capture-time output was None: a replay only checks that it still is."""
+        return self.output is None
+
     def update(self, fresh: Any) -> None:
         """Copy ``fresh`` (the break's output at replay) into the bridge: one batched copy for
-        several tensors; nothing for tensors that already live at the bridge's addresses."""
-        if fresh is self.output or not self._meta:
+        several tensors; nothing for tensors that already live at the bridge's addresses.
+        An output without tensors is checked all the same (its structure and plain values)."""
+        if fresh is self.output and self._same_if_identical:
+            return
+        if not self._meta:
+            self._match(fresh)  # raises for another structure or another plain value
             return
         # Copies into the bridge are data movement, never part of an autograd graph. Entering
         # no_grad costs twice the copy's launch; setting the mode directly a fraction of it.

@@ -24,7 +24,7 @@ from bcg_core._capture.context import (
     enter_capture,
     exit_capture,
 )
-from bcg_core._capture.debug import DebugLevel, debug_level, report_leaks
+from bcg_core._capture.debug import DebugLevel, argument_tensors, debug_level, report_leaks
 from bcg_core._capture.flag import breakable_graphs_disabled, disabled_reason
 from bcg_core._capture.fresh import FreshTensorTracker
 from bcg_core._capture.gc_pause import gc_paused
@@ -183,6 +183,8 @@ class CaptureState:
         self.tracker.begin_break()
         fresh: FreshTensorTracker | None = None
         pooling = bool(self.backend.alias_device_types)
+        debugging = self.debug is not DebugLevel.OFF
+        given = argument_tensors((args, kwargs)) if debugging else []
         try:
             # The break allocates outside the pool: its temporaries are not graph memory (a
             # replay allocates them outside too). The outputs nothing else holds are copied
@@ -214,10 +216,8 @@ class CaptureState:
                 "result into a buffer passed as an argument and return None, or drop strict=True "
                 "to have the output copied into a bridge buffer at every replay."
             )
-        if fresh is not None and self.debug is not DebugLevel.OFF:
-            report_leaks(
-                name, fresh, output, (args, kwargs), strict=self.debug is DebugLevel.STRICT
-            )
+        if fresh is not None and debugging:
+            report_leaks(name, fresh, output, given, strict=self.debug is DebugLevel.STRICT)
         # The outputs nothing else holds are copied into the pool, so a bridge costs what a graph
         # intermediate costs (DESIGN.md, "Who may reuse a bridge's memory"); they are held by
         # alias, and the code after the break gets the owning copies, which keep their blocks
@@ -235,8 +235,8 @@ class CaptureState:
             BreakStep(
                 name=name,
                 fn=fn,
-                args=alias_tree(args, self.backend.alias_device_types),
-                kwargs=alias_tree(kwargs, self.backend.alias_device_types),
+                args=alias_tree(args, self.backend.alias_device_types, device),
+                kwargs=alias_tree(kwargs, self.backend.alias_device_types, device),
                 bridge=bridge,
                 side_streams=side_streams,
                 backend=self.backend,

@@ -75,16 +75,28 @@ def keep_alive_ok(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def argument_tensors(arguments: Any) -> list[torch.Tensor]:
+    """The tensors among a break's ``arguments`` (lists, tuples and dicts are walked, other
+    objects are not), read *before* the break runs: one it stores into a list argument is new."""
+    return tensor_leaves(arguments, into_objects=False)
+
+
 def report_leaks(
-    name: str, tracker: FreshTensorTracker, output: Any, arguments: Any, *, strict: bool
+    name: str,
+    tracker: FreshTensorTracker,
+    output: Any,
+    arguments: list[torch.Tensor],
+    *,
+    strict: bool,
 ) -> None:
     """Report the fresh tensors of break ``name`` still alive that share storage with neither its
-    ``output`` nor the tensors among its ``arguments`` (lists, tuples and dicts are walked, other
-    objects are not: a tensor stored on one is the leak) nor were marked with
-    :func:`keep_alive_ok`: a warning, or :class:`CaptureError` when ``strict``."""
+    ``output`` nor the ``arguments`` it was called with (:func:`argument_tensors`, read before it
+    ran: a tensor it stored on an argument object, or appended to an argument list, is the
+    leak) nor were marked with :func:`keep_alive_ok`: a warning, or :class:`CaptureError` when
+    ``strict``."""
     # Returned tensors are bridged (found as bridges find them); argument tensors are caller- or
-    # pool-owned. Tensors reachable only through an argument *object* are what this catches.
-    reached = (*tensor_leaves(output), *tensor_leaves(arguments, into_objects=False))
+    # pool-owned.
+    reached = (*tensor_leaves(output), *arguments)
     kept = {storage_key(t) for t in reached}
     leaked = {
         ptr: size

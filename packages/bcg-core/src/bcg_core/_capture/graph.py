@@ -16,7 +16,7 @@ from bcg_core._backends import GraphBackend, Segment, backend_named
 from bcg_core._capture.bridges import Bridge
 from bcg_core._capture.context import active_capture, routed_warmup
 from bcg_core._capture.profile import named, profile_enabled
-from bcg_core._errors import CaptureError, ReplayError
+from bcg_core._errors import BreakOutputError, CaptureError, ReplayError
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,23 @@ class BreakStep:
 
     def launcher(self) -> Callable[[], Any]:
         """The cheapest callable equivalent to :meth:`run`: per-break host cost is the budget
-        (a break should cost about one graph launch), so a break that bridges nothing and used
-        no side stream is a bare ``functools.partial`` of the function."""
-        if self.bridge.tensors or self.side_streams:
+        (a break should cost about one graph launch), so a break that returned None and used
+        no side stream only checks that it returns None again."""
+        if not self.bridge.trivial or self.side_streams:
             return self.run
-        return functools.partial(self.fn, *self.args, **self.kwargs)
+        return functools.partial(_expect_none, self.name, self.fn, self.args, self.kwargs)
 
 
 Step = SegmentStep | BreakStep
+
+
+def _expect_none(name: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+    if fn(*args, **kwargs) is not None:
+        raise BreakOutputError(
+            f"break {name!r} returned None at capture but a value at replay; the code after "
+            "the break was captured with None. A break must return the same structure every "
+            "time: return None always, or a value (a tensor is then bridged) always."
+        )
 
 
 def _step_names(steps: Sequence[Step]) -> list[str]:

@@ -40,7 +40,7 @@ from bcg_core._capture.graph import BreakableCUDAGraph, BreakStep, SegmentStep
 from bcg_core._compare import bitwise_equal
 from bcg_core._diagnostics.divergence_report import Cause, DivergenceReport, Status, TensorDiff
 from bcg_core._diagnostics.step_state import StepStateWatch
-from bcg_core._errors import CaptureError
+from bcg_core._errors import BreakOutputError, CaptureError
 from bcg_core._signature import (
     Signature,
     copy_unless_same,
@@ -421,7 +421,10 @@ def _replay(
             if isinstance(step, SegmentStep):
                 step.segment.launcher()()
                 continue
-            step.run()
+            # A changed plain value or structure: replay on with what the code after the
+            # break was captured with, so that the comparison names this break's outputs.
+            with contextlib.suppress(BreakOutputError):
+                step.run()
             arguments = _freeze((step.args, step.kwargs))
             calls.append(_BreakCall(step.name, arguments, _freeze(step.bridge.output)))
     return _Run(calls, _freeze(output), _freeze(call))

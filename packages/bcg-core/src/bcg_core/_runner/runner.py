@@ -329,7 +329,9 @@ class BreakableGraphRunner:
 
         Returns:
             A :class:`CaptureReport`: per size its capture and warm-up ms, segments, breaks and
-            pool bytes after; the sizes that failed and why; the memory the runner holds.
+            pool bytes after; the sizes that were not captured and why (a capture that raised,
+            a runner disabled by ``max_segments`` or ``BCG_DISABLE``, no device); the memory
+            the runner holds.
 
         Raises:
             ValueError: ``order`` has another value.
@@ -360,6 +362,10 @@ class BreakableGraphRunner:
                     elif self._counts["failed"] > before[1]:
                         assert self._last_failure is not None  # what _capture_failed counted
                         failed.append(self._last_failure)
+                    else:
+                        eager = self._not_captured(args, kwargs)
+                        if eager is not None:
+                            failed.append(eager)
                 advance(call_shapes(args, kwargs))
         seconds = time.perf_counter() - started
         if self._counts["evictions"] > evictions:
@@ -628,6 +634,29 @@ class BreakableGraphRunner:
         result = entry.output if self.return_views or self._discard_outputs else entry.clone()
         self._turn.record(current)
         return result
+
+    def _not_captured(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Signature, str] | None:
+        """Why a call in a capture window that neither captured nor failed ran eagerly (for
+        :meth:`capture_many`'s report); None when it was a replay of a captured signature."""
+        call_args, call_kwargs = (
+            (args, kwargs) if self._lift is None else self._lift(args, kwargs)[:2]
+        )
+        sig = signature_and_tensors(call_args, call_kwargs)[0]
+        if sig in self._entries:
+            return None
+        if self.disabled_reason is not None:
+            why = f"the runner is disabled: {self.disabled_reason}"
+        elif breakable_graphs_disabled():
+            why = f"breakable graphs are disabled ({disabled_reason()})"
+        elif not self._graph_backend.is_available():
+            why = f"the {self.device.type} graph backend is not available"
+        elif sig in self._blocked:
+            why = f"its capture failed earlier ({self._blocked[sig]})"
+        else:
+            why = "an argument the graph writes shares memory with another argument"
+        return sig, why
 
     def _capture_failed(self, sig: Signature, exc: Exception, call: Call) -> Any:
         self._counts["failed"] += 1

@@ -74,7 +74,9 @@ class CaptureReport:
     Attributes:
         captured: the entries it captured, in capture order (each with its capture and warm-up
             ms, segments, breaks and the pool's bytes right after it).
-        failed: the calls whose capture failed, as (signature, reason); they run eagerly.
+        failed: the calls that were not captured, as (signature, reason): their capture
+            raised, or the runner could not capture (disabled by ``max_segments`` or
+            ``BCG_DISABLE``, no device); they run eagerly.
         seconds: the wall time of the whole start-up (warm-ups and captures).
         memory: the graph memory the runner holds afterwards, which is what an engine
             subtracts before sizing its KV cache.
