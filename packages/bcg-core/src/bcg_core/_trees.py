@@ -214,7 +214,7 @@ def same_value(got: Any, want: Any) -> bool:
     if type(got) is not type(want):
         return False
     if got != got:
-        return want != want
+        return bool(want != want)
     if got == want:
         return type(got) is not float or math.copysign(1.0, got) == math.copysign(1.0, want)
     return False
