@@ -193,3 +193,16 @@ def test_the_divergence_check_still_names_a_frozen_host_value(device: str) -> No
     report = check_divergence(model, sets)
     assert report.cause == "frozen_break_output"
     assert report.observed_at == "the outputs of break 'boh.absmax' (call 1)"
+
+
+def test_a_capture_into_another_pool_makes_it_the_graphs_pool(device: str) -> None:
+    first = BreakableCUDAGraph(backend=device)
+    shared = first.pool()
+    graph = BreakableCUDAGraph(backend=device)
+    x = torch.ones(2, device=device)
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph, pool=shared):
+        out = x * 2
+    assert graph.pool() is shared  # used to be a pool of its own, which held nothing
+    x.fill_(3.0)
+    graph.replay()
+    assert torch.equal(out, torch.full((2,), 6.0, device=device))

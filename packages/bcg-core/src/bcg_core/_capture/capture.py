@@ -300,7 +300,8 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
     Args:
         cuda_graph: the empty :class:`BreakableCUDAGraph` to capture into.
         pool: a memory pool handle to allocate from instead of the graph's own (default None:
-            ``cuda_graph.pool()``).
+            ``cuda_graph.pool()``); the graph's :meth:`~BreakableCUDAGraph.pool` is then this
+            one.
         stream: a ``torch.cuda.Stream`` to capture on (default None: the pool's capture lane).
         capture_error_mode: ``"global"`` (the default), ``"thread_local"`` or ``"relaxed"``,
             passed to every segment; breaks inside autograd's backward need ``"relaxed"``.
@@ -392,7 +393,7 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
                 f"stream {stream!r} is already capturing (inside torch.cuda.graph?); "
                 "a breakable capture must start outside any other capture"
             )
-        self.cuda_graph._begin_capture()
+        self.cuda_graph._begin_capture(pool)
         stack = ExitStack()
         try:
             if torch.compiler.config.force_cudagraph_gc:

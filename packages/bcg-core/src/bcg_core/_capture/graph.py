@@ -322,7 +322,10 @@ class BreakableCUDAGraph:
     def _backend_impl(self) -> GraphBackend:
         return self._backend
 
-    def _begin_capture(self) -> None:
+    def _begin_capture(self, pool: Any) -> None:
+        """Start a capture into ``pool``: from now on the graph's pool (a capture given
+        another pool than the graph's puts the graph's memory there, so :meth:`pool` and
+        :meth:`pool_bytes` answer for it)."""
         with self._lock:
             if self._state is _State.CAPTURING:
                 raise CaptureError("this graph is already being captured")
@@ -331,6 +334,9 @@ class BreakableCUDAGraph:
                     f"this graph already holds a {self._state.value} capture; call reset() "
                     "before capturing into it again"
                 )
+            if pool is not self._pool:
+                self._pool = pool
+                self._owns_pool = False
             self._state = _State.CAPTURING
 
     def _finish_capture(self, steps: Sequence[Step], dropped: Sequence[Segment]) -> None:
