@@ -11,6 +11,13 @@ Several different ``wrap`` functions on one attribute stack in the order they we
 installed: the attribute is ``wrap_n(...wrap_1(original))``, recomputed from the original
 whenever one of them is added or released, so they can be released in any order.
 
+A class (or instance) that inherits the attribute composes its wraps over what it inherits now:
+the base class's current value, a bcg patch of the base included. Whenever a class's patch
+changes, every patched subclass and instance that inherits the attribute from it is recomposed
+(bases first), so patching and releasing a base and a subclass in any order leaves each with its
+own wraps over its base's current ones. A class that defines the attribute itself is its own
+original and is not touched by its bases' patches.
+
 All state is guarded by one lock. If something else replaced the attribute after bcg patched it,
 bcg leaves it alone on release (restoring would clobber the other patch) and logs a warning.
 """
@@ -43,6 +50,10 @@ class _Slot:
     kind: str  # "module", "class", "instance" or "mapping"
     original: Any  # the target's own attribute (its __dict__ entry), or _ABSENT
     base: Any  # what the wraps are applied to (the resolved original, e.g. an inherited method)
+    # Where ``base`` came from when the attribute is inherited: the value found in a class of
+    # the MRO (before binding, for an instance), re-read whenever a base class's patch changes;
+    # _ABSENT when ``base`` is fixed (the target's own attribute, a module's, a mapping's).
+    inherited: Any = _ABSENT
     layers: dict[Wrap, int] = field(default_factory=dict)  # wrap -> references, install order
     installed: Any = _ABSENT
 
@@ -224,10 +235,13 @@ def patch_attribute(target: Any, name: str, wrap: Wrap) -> PatchHandle:
             slot.layers[wrap] += 1  # shares the installed patch: nothing to recompute
         else:
             slot.layers[wrap] = 1
+            installed = slot.installed
             try:
                 _apply(slot)
             except BaseException:
                 del slot.layers[wrap]
+                if slot.installed is not installed:  # put, then a subclass's recompose failed
+                    _apply(slot)  # back to the previous layers (or the original), below too
                 raise
             _slots[key] = slot
         return PatchHandle([(slot, wrap)], (slot.describe(),))
@@ -238,7 +252,58 @@ def _new_slot(target: Any, name: str, kind: str) -> _Slot:
         return _Slot(target, name, kind, target[name], target[name])
     base = inspect.getattr_static(target, name) if kind == "class" else getattr(target, name)
     own = vars(target).get(name, _ABSENT) if hasattr(target, "__dict__") else _ABSENT
-    return _Slot(target, name, kind, own, base)
+    inherited = _find_inherited(target, name, kind) if own is _ABSENT else _ABSENT
+    if kind == "class" and inherited is not _ABSENT:
+        base = inherited
+    return _Slot(target, name, kind, own, base, inherited)
+
+
+def _mro_above(target: Any, kind: str) -> tuple[type, ...]:
+    """The classes a class or instance slot inherits its attribute from, nearest first."""
+    if kind == "class":
+        return tuple(target.__mro__[1:])
+    if kind == "instance":
+        return tuple(type(target).__mro__)
+    return ()
+
+
+def _find_inherited(target: Any, name: str, kind: str) -> Any:
+    """The value ``target`` inherits under ``name`` now (the first class of its MRO that
+    defines it, bcg's patches included), unbound; _ABSENT when none does (a metaclass's
+    attribute, one ``__getattr__`` makes: then the slot's base stays fixed)."""
+    for klass in _mro_above(target, kind):
+        value = vars(klass).get(name, _ABSENT)
+        if value is not _ABSENT:
+            return value
+    return _ABSENT
+
+
+def _bind(slot: _Slot, value: Any) -> Any:
+    """What ``slot.target.name`` reads when it inherits ``value`` (an instance binds it)."""
+    if slot.kind == "instance":
+        get = getattr(type(value), "__get__", None)
+        if get is not None:
+            return get(value, slot.target, type(slot.target))
+    return value
+
+
+def _recompose_below(klass: type) -> None:
+    """Recompose every patched subclass and instance that may inherit the attribute from
+    ``klass`` and now inherits something else; bases before subclasses, instances last."""
+    below = [
+        slot
+        for slot in _slots.values()
+        if slot.inherited is not _ABSENT and klass in _mro_above(slot.target, slot.kind)
+    ]
+    below.sort(key=lambda s: len(s.target.__mro__) if s.kind == "class" else 1 << 30)
+    for slot in below:
+        if not slot.layers or not _still_ours(slot):
+            continue  # other code replaced it: left alone, warned about on release
+        inherited = _find_inherited(slot.target, slot.name, slot.kind)
+        if inherited is _ABSENT or inherited is slot.inherited:
+            continue
+        slot.inherited, slot.base = inherited, _bind(slot, inherited)
+        _install(slot)
 
 
 def _compose(slot: _Slot) -> Any:
@@ -251,17 +316,26 @@ def _compose(slot: _Slot) -> Any:
     return base if descriptor is None else descriptor(base)
 
 
+def _install(slot: _Slot) -> None:
+    value = _compose(slot)
+    slot.put(value)
+    slot.installed = value
+
+
 def _apply(slot: _Slot) -> None:
+    """Put the composition of ``slot``'s layers, or its original when none is left (and forget
+    the slot); then recompose the patched subclasses and instances below a class."""
     if slot.layers:
-        value = _compose(slot)
-        slot.put(value)
-        slot.installed = value
-        return
-    if slot.original is _ABSENT:
-        slot.drop()
+        _install(slot)
     else:
-        slot.put(slot.original)
-    del _slots[(id(slot.target), slot.name)]
+        if slot.original is _ABSENT:
+            slot.drop()
+        else:
+            slot.put(slot.original)
+        slot.installed = _ABSENT
+        _slots.pop((id(slot.target), slot.name), None)
+    if slot.kind == "class":
+        _recompose_below(slot.target)
 
 
 def _still_ours(slot: _Slot) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -127,18 +128,25 @@ def eager_on_graph(
         The wrapped function (bare use), or a decorator that wraps one.
 
     Raises:
-        TypeError: ``capture_stub`` or the decorated object is not callable.
+        TypeError: ``capture_stub`` or the decorated object is not callable, or either is a
+            coroutine function (``async def``), an async generator function or a
+            generator function: its body would not run in the break (make it a plain function
+            that returns its value).
         BreakOutputError: at capture, ``strict=True`` and a device tensor was returned (at
             replay, :meth:`BreakableCUDAGraph.replay` raises it when the returned structure,
             shapes, dtypes or plain values differ from capture's).
     """
     if capture_stub is not None and not callable(capture_stub):
         raise TypeError(f"capture_stub must be callable, got {capture_stub!r}")
+    if capture_stub is not None:
+        stub_name = getattr(capture_stub, "__qualname__", None) or repr(capture_stub)
+        _refuse_lazy_body(capture_stub, f"eager_on_graph's capture_stub {stub_name}")
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(f):
             raise TypeError(f"@eager_on_graph decorates a callable, got {f!r}")
         break_name: str = name or getattr(f, "__qualname__", None) or repr(f)
+        _refuse_lazy_body(f, f"@eager_on_graph {break_name}")
 
         def call_eagerly(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if _observing:
@@ -179,6 +187,36 @@ def eager_on_graph(
         return wrapper
 
     return decorate if fn is None else decorate(fn)
+
+
+def _lazy_kind(f: Callable[..., Any]) -> str | None:
+    """What ``f`` returns instead of running its body when called, or None for a plain
+    function: a coroutine, an async generator or a generator (a callable object is judged by
+    its ``__call__``)."""
+    candidates = [f]
+    if not inspect.isroutine(f) and not isinstance(f, functools.partial):
+        candidates.append(type(f).__call__)  # f is callable, so its type has __call__
+    for candidate in candidates:
+        if inspect.iscoroutinefunction(candidate):
+            return "an async def function (its body runs only when the coroutine is awaited)"
+        if inspect.isasyncgenfunction(candidate):
+            return "an async generator function (its body runs only when it is iterated)"
+        if inspect.isgeneratorfunction(candidate):
+            return "a generator function (its body runs only when the generator is iterated)"
+    return None
+
+
+def _refuse_lazy_body(f: Callable[..., Any], subject: str) -> None:
+    """A break runs its function's body between segments; a coroutine or generator function
+    would only create an object there, with nothing of the body run (and replays would make
+    coroutines never awaited). Refused when decorated."""
+    kind = _lazy_kind(f)
+    if kind is not None:
+        raise TypeError(
+            f"{subject} is {kind}, so a break would run none of its work: make it a plain "
+            "function (def, no await or yield) that does the work and returns its value, and "
+            "await or iterate outside it"
+        )
 
 
 def _split() -> None:

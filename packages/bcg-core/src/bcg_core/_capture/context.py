@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bcg_core._backends import current_stream
+from bcg_core._backends import GraphBackend, backend_for, current_stream
+from bcg_core._errors import CaptureError
 
 if TYPE_CHECKING:
     from bcg_core._capture.capture import CaptureState
@@ -85,19 +86,76 @@ def get_current_stream(device: torch.device | str | int | None = None) -> Any:
 
     Args:
         device: the device whose current stream is wanted when no capture is running (a
-            ``torch.device``, a string such as ``"cuda:1"``, an index, or None, the default, for
-            the current device). Ignored during a capture.
+            ``torch.device``, a string such as ``"cuda:1"`` or ``"cpu"``, a CUDA index, or
+            None, the default, for the current device). Checked always; otherwise ignored
+            during a capture.
 
     Returns:
         The capturing stream during a breakable capture; during a replay, the replay stream
         (replay runs on the caller's current stream); else torch's current stream for
-        ``device``.
+        ``device`` (for ``"cpu"``, the CPU graph backend's current stream).
+
+    Raises:
+        ValueError: ``device`` names no device (``"bogus"``, a negative index) or a device
+            type without a graph backend (``"mps"``).
+        TypeError: ``device`` is not a ``torch.device``, a string, an int or None.
+        RuntimeError: ``device`` is a CUDA device (or an index) and CUDA is not available.
     """
     state = active_capture()
-    if state is not None:
-        return state.stream
-    # Replay runs on the caller's current stream and never switches, so this is the replay stream.
-    return current_stream(device)
+    if device is None:
+        # Replay runs on the caller's current stream and never switches: the replay stream.
+        return current_stream() if state is None else state.stream
+    try:
+        backend = _checked_devices.get(device)
+    except TypeError:  # unhashable: _backend_of says what is wrong with it
+        backend = None
+    if backend is None:
+        backend = _backend_of(device)  # also during a capture: its replays would refuse it
+    return backend.current_stream(device) if state is None else state.stream
+
+
+# Device arguments of get_current_stream already checked, with the backend whose stream they
+# ask for, so a break that asks for its device's stream at every replay parses it once. A
+# backend, once available, stays so.
+_checked_devices: dict[Any, GraphBackend] = {}
+_checked_lock = threading.Lock()  # writers only: a lookup is one dict read
+_CHECKED_KEPT = 64
+
+
+def _backend_of(device: Any) -> GraphBackend:
+    """The graph backend whose stream ``device`` asks for (an index: the accelerator's); raises
+    as :func:`get_current_stream` documents."""
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(
+                f"get_current_stream: a device index must not be negative, got {device}"
+            )
+        backend = backend_for()  # an index names an accelerator (CUDA) device
+    elif isinstance(device, str | torch.device):
+        try:
+            device_type = torch.device(device).type
+        except RuntimeError as exc:
+            raise ValueError(f"get_current_stream: {device!r} is not a device ({exc})") from None
+        try:
+            backend = backend_for(device_type)
+        except CaptureError as exc:
+            raise ValueError(
+                f"get_current_stream: {device!r} has no graph streams: {exc}"
+            ) from None
+    else:
+        raise TypeError(
+            "get_current_stream: device must be a torch.device, a string such as 'cuda:1', a "
+            f"CUDA index or None, got {device!r}"
+        )
+    if not backend.is_available():
+        raise RuntimeError(
+            f"get_current_stream: {device!r} is a {backend.device_type!r} device, but none is "
+            f"available here (torch {torch.__version__}); ask for None, the current device"
+        )
+    with _checked_lock:
+        if len(_checked_devices) < _CHECKED_KEPT:
+            _checked_devices[device] = backend
+    return backend
 
 
 # -- warm-ups routed to a pool (BreakableCUDAGraph.warmup) --------------------------------------

@@ -112,7 +112,8 @@ def bench(args: argparse.Namespace) -> int:
 
 
 class _TargetError(Exception):
-    """A ``bcg check`` target that cannot be used: one line for the user, exit code 2."""
+    """A ``bcg check`` target (or ``--backend``) that cannot be used: one line for the user,
+    exit code 2."""
 
 
 def _load(target: str) -> Callable[[], Any]:
@@ -171,8 +172,8 @@ def _is_builder_result(made: Any) -> bool:
 def check(args: argparse.Namespace) -> int:
     """Run a zero-argument callable under CPU capture; report the first host sync or success.
     With ``--divergence`` the callable returns ``(fn, input_sets)`` instead, and the divergence
-    check compares eager and replay of ``fn`` over the sets. A target that cannot be used gets
-    one line on stderr and exit code 2."""
+    check compares eager and replay of ``fn`` over the sets. A target that cannot be used, or
+    ``--divergence --backend cuda`` without CUDA, gets one line on stderr and exit code 2."""
     try:
         return _check(args)
     except _TargetError as exc:
@@ -181,6 +182,11 @@ def check(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    if args.divergence and args.backend == "cuda" and not torch.cuda.is_available():
+        raise _TargetError(
+            "--backend cuda needs a CUDA device, but torch.cuda.is_available() is False here "
+            f"(torch {torch.__version__}); use --backend cpu (the CPU graph backend)"
+        )
     target = _load(args.target)
     if not args.divergence:
         made: list[Any] = []
@@ -214,7 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit status: 0 on success; 1 when a result is wrong (a replay differs from eager,
-        a check fails); 2 for an unknown workload.
+        a check fails); 2 for an unknown workload, or a ``bcg check`` target that cannot be
+        used (or ``--backend cuda`` without CUDA), reported in one line on stderr.
 
     Raises:
         SystemExit: bad command-line arguments (argparse's usage error, status 2), or a
