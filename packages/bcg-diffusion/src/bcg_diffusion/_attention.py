@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from bcg_core import PatchHandle, eager_on_graph
 
 _ORIGINAL = "__bcg_original_forward__"
@@ -74,15 +76,28 @@ class AttentionPatch(PatchHandle):
 
 def attention_method(cls: type) -> str:
     """The method a class runs attention in: ``forward`` (modules) or ``__call__`` (diffusers
-    attention processors). Raises ``TypeError`` for anything else."""
+    attention processors). Raises ``TypeError`` for anything else.
+
+    A ``torch.nn.Module`` subclass whose ``forward`` is only ``nn.Module``'s unimplemented
+    placeholder and that defines ``__call__`` (diffusers' IP-Adapter and Custom Diffusion
+    processors) runs attention in ``__call__``; ``nn.Module``'s own ``__call__`` (the hook
+    dispatcher) never counts."""
     if isinstance(cls, type):
-        if callable(getattr(cls, "forward", None)):
+        forward = getattr(cls, "forward", None)
+        calls = any("__call__" in vars(k) for k in cls.__mro__ if k not in _NOT_ATTENTION_CALLS)
+        if callable(forward) and not (forward is _MODULE_FORWARD_PLACEHOLDER and calls):
             return "forward"
-        if any("__call__" in vars(k) for k in cls.__mro__ if k is not object):
+        if calls:
             return "__call__"
     raise TypeError(
         f"install_breakable_attention takes classes with a forward or __call__ method, got {cls!r}"
     )
+
+
+# nn.Module's `forward` when a subclass defines none (it raises NotImplementedError).
+_MODULE_FORWARD_PLACEHOLDER = torch.nn.Module.forward
+# Bases whose `__call__` is no attention method: object's, and nn.Module's hook dispatcher.
+_NOT_ATTENTION_CALLS = (object, torch.nn.Module)
 
 
 def patch_attention_classes(*classes: type) -> PatchHandle:
@@ -104,7 +119,9 @@ _installed: dict[type, PatchHandle] = {}
 def install_breakable_attention(*classes: type) -> AttentionPatch:
     """Make the attention method of each class a break point, in place.
 
-    The attention method is ``forward``, or ``__call__`` for diffusers processor classes.
+    The attention method is ``forward``, or ``__call__`` for diffusers processor classes
+    (also those that are ``nn.Module``s without a ``forward`` of their own, such as the
+    IP-Adapter processors).
 
     Installing twice changes nothing; :func:`uninstall_breakable_attention` (or the handle)
     undoes it. The patch is reference-counted with the ones a :class:`DiTRunner` takes, so

@@ -9,9 +9,12 @@ diffusers runs attention in two ways, and both are module-level names looked up 
 - processor-based models (SD3, PixArt, Sana's cross-attention, HunyuanDiT, ...) call
   ``F.scaled_dot_product_attention`` inside their processors, ``F`` being the processor
   module's alias of ``torch.nn.functional``. That alias is replaced, in those modules only, by a
-  copy of ``torch.nn.functional`` whose ``scaled_dot_product_attention`` is the break. Patching
+  stand-in for ``torch.nn.functional`` whose ``scaled_dot_product_attention`` is the break. Patching
   ``torch.nn.functional`` itself would reach every library in the process; wrapping the
-  processor's ``__call__`` would put the Q/K/V and output projections in the break.
+  processor's ``__call__`` would put the Q/K/V and output projections in the break. The
+  stand-in forwards every other name to the live ``torch.nn.functional``, and its break calls
+  the ``scaled_dot_product_attention`` found there at call time, so a kernel installed there
+  later (SageAttention's recipe) is honoured.
 
 The modules looked at are those defining the classes (and their bases) of the model's
 submodules and of their attention processors; torch's own modules are never touched. The
@@ -33,18 +36,43 @@ from bcg_diffusion._attention import make_breakable_attention_forward
 
 _DISPATCH = "dispatch_attention_fn"
 _SDPA = "scaled_dot_product_attention"
-# Marks a breakable copy of torch.nn.functional, so a module patched already is recognised.
+# Marks a breakable stand-in for torch.nn.functional, so a module patched already is recognised.
 _FUNCTIONAL_OF = "__bcg_functional_of__"
+_MODULE_METADATA = ("__file__", "__package__", "__loader__", "__spec__")
 
 
 def breakable_functional(functional: types.ModuleType) -> types.ModuleType:
-    """A copy of ``torch.nn.functional`` whose ``scaled_dot_product_attention`` is a break point
-    (under the flag); every other name is the same object, and attribute access costs the same
-    as on the module itself."""
+    """A stand-in for ``torch.nn.functional`` whose ``scaled_dot_product_attention`` is a break
+    point (under the flag); every other name is looked up on the live ``functional`` at each
+    access (the module ``__getattr__`` of PEP 562), so a name set there later reaches it.
+
+    The break calls ``functional.scaled_dot_product_attention`` as it is when the call runs (one
+    attribute lookup), so a kernel a user installs there later (``F.scaled_dot_product_attention
+    = sageattn``) runs in plain calls and in every break."""
     proxy = types.ModuleType(functional.__name__, functional.__doc__)
-    proxy.__dict__.update(vars(functional))
-    setattr(proxy, _SDPA, make_breakable_attention_forward(getattr(functional, _SDPA)))
-    setattr(proxy, _FUNCTIONAL_OF, functional)
+
+    def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
+        return functional.scaled_dot_product_attention(*args, **kwargs)
+
+    def __getattr__(name: str) -> Any:  # only names missing from the proxy's own dict
+        return getattr(functional, name)
+
+    def __dir__() -> list[str]:
+        return sorted(set(dir(functional)) | set(vars(proxy)))
+
+    scaled_dot_product_attention.__qualname__ = _SDPA
+    scaled_dot_product_attention.__doc__ = getattr(functional, _SDPA).__doc__
+    proxy.__dict__.update(
+        {
+            _SDPA: make_breakable_attention_forward(scaled_dot_product_attention),
+            "__getattr__": __getattr__,
+            "__dir__": __dir__,
+            _FUNCTIONAL_OF: functional,
+        }
+    )
+    for name in _MODULE_METADATA:  # what inspect and pickling read off a module
+        if name in vars(functional):
+            setattr(proxy, name, vars(functional)[name])
     return proxy
 
 

@@ -144,10 +144,26 @@ class DiTRunner(BreakableGraphRunner):
             patch.remove()
 
 
+# Wrapper layers looked through for return_dict (a guard against self-referencing wrappers).
+_MAX_UNWRAP = 32
+
+
 def _return_dict_default(model: Callable[..., Any]) -> Any:
-    """The default of the model's ``return_dict`` parameter (None when it has none)."""
+    """The default of the model's ``return_dict`` parameter (None when it has none).
+
+    Wrappers are looked through first: ``torch.compile(model)`` (an ``OptimizedModule``,
+    whose ``forward`` takes ``*args, **kwargs``) by its ``_orig_mod``, decorated callables by
+    their ``__wrapped__``."""
+    target: Any = model
+    for _ in range(_MAX_UNWRAP):
+        inner = getattr(target, "_orig_mod", None)
+        if inner is None:
+            inner = getattr(target, "__wrapped__", None)
+        if inner is None or inner is target:
+            break
+        target = inner
     try:
-        parameters = inspect.signature(getattr(model, "forward", model)).parameters
+        parameters = inspect.signature(getattr(target, "forward", target)).parameters
     except (TypeError, ValueError):
         return None
     param = parameters.get("return_dict")
