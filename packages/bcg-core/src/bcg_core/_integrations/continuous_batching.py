@@ -10,12 +10,12 @@ call, capture or replay, the break rebuilds the attention's arguments from the l
 engine's ``ContinuousBatchingIOs``) with the batch's true sizes, exactly as the eager engine
 would pass them, and slices the query to the batch's true tokens.
 
-The engine is reached through four methods of ``ModelRunner`` and one of
-``ContinuousBatchingManager`` (which builds the runner), plus the ``paged|sdpa`` and
-``paged|eager`` entries of transformers' ``AttentionInterface``: patched while any handle is
-alive (each handle holds one reference per patch, ``bcg_core.patch_attribute``), restored when
-the last is removed. They act only
-for enabled models; every other model runs transformers' code unchanged.
+The engine is reached through three methods of ``ModelRunner`` and three of
+``ContinuousBatchingManager`` (which builds the runner and starts the engine's thread), plus the
+``paged|sdpa`` and ``paged|eager`` entries of transformers' ``AttentionInterface``: patched
+while any handle is alive (each handle holds one reference per patch,
+``bcg_core.patch_attribute``), restored when the last is removed. They act only for enabled
+models; every other model runs transformers' code unchanged.
 """
 
 from __future__ import annotations
@@ -35,7 +35,12 @@ from typing import Any, Literal
 import torch
 
 from bcg_core._capture.breaks import eager_on_graph
-from bcg_core._capture.flag import is_in_breakable_cuda_graph
+from bcg_core._capture.flag import (
+    bcg_disabled_by_env,
+    breakable_graphs_disabled,
+    disable_breakable_graphs,
+    is_in_breakable_cuda_graph,
+)
 from bcg_core._patching import PatchHandle, Removable
 from bcg_core._runner.runner import BreakableGraphRunner
 
@@ -82,8 +87,9 @@ class ContinuousBatchingHandle(Removable):
 
     :meth:`remove` (or leaving a ``with`` block) releases this handle's reference (idempotent):
     bcg is off for the model once all its handles are removed, and transformers' code is
-    restored once every handle of every model is. Engines built before keep their graphs until
-    they are dropped.
+    restored once every handle of every model is. An engine built before and still running
+    then runs transformers' code; its graphs are kept until it is dropped, or replaced by new
+    ones once the model is enabled again (that engine then reports to the new handle).
 
     Args:
         model: the enabled model (held weakly).
@@ -95,6 +101,7 @@ class ContinuousBatchingHandle(Removable):
         self._model: weakref.ref[Any] | None = weakref.ref(model)
         self._record = record
         self._patches = patches
+        self._final: ContinuousBatchingStats | None = None  # the counts at remove()
 
     @property
     def active(self) -> bool:
@@ -105,13 +112,11 @@ class ContinuousBatchingHandle(Removable):
         """Counters of every engine run for the model while it was enabled.
 
         Returns:
-            A :class:`ContinuousBatchingStats`; still readable after :meth:`remove`.
+            A :class:`ContinuousBatchingStats`; after :meth:`remove`, the counts at the removal
+            (they no longer change).
         """
-        r = self._record
         with _lock:
-            return ContinuousBatchingStats(
-                r.graphs, r.graph_bytes, r.replays, r.eager_calls, r.first_batches
-            )
+            return self._record.stats() if self._final is None else self._final
 
     def remove(self) -> None:
         """Release this handle's reference (idempotent); see the class docstring."""
@@ -119,12 +124,17 @@ class ContinuousBatchingHandle(Removable):
             ref, self._model = self._model, None
             if ref is None:
                 return
+            self._final = self._record.stats()
             model = ref()
             record = None if model is None else _enabled.get(model)
             if record is not None:
                 record.handles -= 1
                 if record.handles == 0:
                     del _enabled[model]
+                    # Its running engines go back to transformers' own padding rule.
+                    for session in list(_sessions.values()):
+                        if session.record is record:
+                            session.release()
             self._patches.remove()
 
     def __repr__(self) -> str:
@@ -153,7 +163,9 @@ def enable_continuous_batching(
     graphs for the model (``use_cuda_graph`` is ignored); a model on the CPU captures with
     bcg's CPU graph backend. The engine's warm-up (on by default: the largest bucket) captures
     at once; in serving, a bucket is captured once it recurs (``capture_after``), so a bucket
-    met once (the tail of a prefill, say) costs neither a capture nor pool memory.
+    met once (the tail of a prefill, say) costs neither a capture nor pool memory. An engine
+    started inside :func:`bcg_core.disable_breakable_graphs` (``generate_batch`` there, or
+    ``manager.start()``) runs every batch eagerly, on its own thread too.
 
     Args:
         model: a transformers ``PreTrainedModel`` whose attention is ``sdpa`` or ``eager``
@@ -263,12 +275,20 @@ class _Record:
     eager_calls: int = 0
     first_batches: int = 0
 
+    def stats(self) -> ContinuousBatchingStats:
+        return ContinuousBatchingStats(
+            self.graphs, self.graph_bytes, self.replays, self.eager_calls, self.first_batches
+        )
+
 
 # -- patches ------------------------------------------------------------------------------------
 
 _lock = threading.RLock()
 _enabled: weakref.WeakKeyDictionary[Any, _Record] = weakref.WeakKeyDictionary()
 _sessions: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
+# Whether the code that started an engine (ContinuousBatchingManager.start) was inside
+# disable_breakable_graphs(): the engine's thread runs under the same setting.
+_started_disabled: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def _patch() -> PatchHandle:
@@ -277,8 +297,11 @@ def _patch() -> PatchHandle:
     from transformers.modeling_utils import AttentionInterface
 
     runner_cls = model_runner.ModelRunner
+    manager_cls = continuous_api.ContinuousBatchingManager
     targets: list[tuple[Any, str, Callable[[Any], Any]]] = [
-        (continuous_api.ContinuousBatchingManager, "_create_batch_processor", _wrap_create),
+        (manager_cls, "_create_batch_processor", _wrap_create),
+        (manager_cls, "start", _wrap_start),
+        (manager_cls, "_run_generation_loop", _wrap_loop),
         (runner_cls, "maybe_pad_inputs", _wrap_pad),
         (runner_cls, "compute_batch", _wrap_compute),
         (runner_cls, "warmup", _wrap_warmup),
@@ -300,25 +323,77 @@ def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
             )
             self.continuous_batching_config.use_async_batching = False
         processor = original(self)
+        runner = processor.model_runner
         with _lock:
             record = _enabled.get(self.model)
-            runner = processor.model_runner
-            if record is not None and runner not in _sessions:
-                _sessions[runner] = _Session(runner, self.model, record)
-        if record is not None:
-            runner.pad_inputs = True  # the engine then prepares query-padded, static-shape batches
+            session = _sessions.get(runner)
+            if record is not None and (session is None or session.record is not record):
+                _bind(runner, self.model, record)
         return processor
 
     return _create_batch_processor
+
+
+def _wrap_start(original: Callable[..., Any]) -> Callable[..., Any]:
+    def start(self: Any) -> None:
+        # The engine runs its batches on a thread of its own, which does not inherit the
+        # caller's context: record whether the caller is inside disable_breakable_graphs() for
+        # that thread (BCG_DISABLE, the process-wide switch, is read at every call anyway).
+        with _lock:
+            _started_disabled[self] = breakable_graphs_disabled() and not bcg_disabled_by_env()
+        original(self)
+
+    return start
+
+
+def _wrap_loop(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _run_generation_loop(self: Any) -> None:
+        with _lock:
+            disabled = _started_disabled.pop(self, False)
+        if not disabled:
+            original(self)
+            return
+        with disable_breakable_graphs():  # as the code that started the engine was
+            original(self)
+
+    return _run_generation_loop
+
+
+def _bind(tf_runner: Any, model: Any, record: _Record) -> _Session:
+    """A new session for ``tf_runner`` reporting to ``record`` (the model's current one), in
+    place of the one it had; caller holds ``_lock``."""
+    old = _sessions.pop(tf_runner, None)
+    pad_inputs = tf_runner.pad_inputs if old is None else old.pad_inputs
+    if old is not None:
+        old.release()
+    session = _sessions[tf_runner] = _Session(tf_runner, model, record, pad_inputs)
+    tf_runner.pad_inputs = True  # the engine then prepares query-padded, static-shape batches
+    return session
+
+
+def _session_of(tf_runner: Any) -> _Session | None:
+    """The session serving ``tf_runner``'s next batch: None (transformers' code) unless its model
+    is enabled; rebuilt when the model was enabled again since the session was made, so the
+    batch reports to the live handles and follows their settings."""
+    with _lock:
+        session = _sessions.get(tf_runner)
+        if session is None:
+            return None
+        model = session.model()
+        record = None if model is None else _enabled.get(model)
+        if record is None:
+            session.release()
+            return None
+        if record is not session.record:
+            session = _bind(tf_runner, model, record)
+        return session
 
 
 def _wrap_pad(original: Callable[..., Any]) -> Callable[..., Any]:
     def maybe_pad_inputs(
         self: Any, num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool
     ) -> tuple[int, int]:
-        with _lock:
-            ours = self in _sessions
-        if not ours:
+        if _session_of(self) is None:
             return original(self, num_q_tokens, max_kv_read, use_decode_fast_path)  # type: ignore[no-any-return]
         # The query is padded to its bucket (the graph's shape) by transformers' own rule; the KV
         # read keeps its length.
@@ -332,8 +407,7 @@ def _wrap_pad(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
     def warmup(self: Any, model: Any) -> None:
-        with _lock:
-            session = _sessions.get(self)
+        session = _session_of(self)
         if session is None:
             original(self, model)
             return
@@ -348,8 +422,7 @@ def _wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _wrap_compute(original: Callable[..., Any]) -> Callable[..., Any]:
     def compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> None:
-        with _lock:
-            session = _sessions.get(self)
+        session = _session_of(self)
         if session is None:
             original(self, model, batch_data)
             return
@@ -363,9 +436,10 @@ def _wrap_compute(original: Callable[..., Any]) -> Callable[..., Any]:
 
 class _Session:
     """bcg's graphs for one engine (one transformers ``ModelRunner``): a runner keyed by the
-    query bucket, sharing one pool."""
+    query bucket, sharing one pool. It reports to one record (the model's, while enabled);
+    ``pad_inputs`` is the runner's own setting, given back by :meth:`release`."""
 
-    def __init__(self, tf_runner: Any, model: Any, record: _Record) -> None:
+    def __init__(self, tf_runner: Any, model: Any, record: _Record, pad_inputs: bool) -> None:
         from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
 
         implementation = model.config._attn_implementation
@@ -378,6 +452,9 @@ class _Session:
         if not isinstance(tf_runner.inputs_and_outputs, ContinuousBatchingIOs):
             raise TypeError("bcg continuous batching: asynchronous IO pairs are not supported")
         self.record = record
+        self.model = weakref.ref(model)
+        self.pad_inputs = pad_inputs
+        self._tf_runner = weakref.ref(tf_runner)  # weakly: it keys _sessions
         if record.attention == "varlen" and tf_runner.cache.num_sliding_attention_groups > 0:
             raise ValueError(
                 'bcg continuous batching: attention="varlen" covers full attention only (this '
@@ -398,6 +475,12 @@ class _Session:
         self.warming_up = False
         self._call: tuple[Any, ...] | None = None
 
+    def release(self) -> None:
+        """Give the runner back its own padding rule (its model is no longer enabled)."""
+        tf_runner = self._tf_runner()
+        if tf_runner is not None:
+            tf_runner.pad_inputs = self.pad_inputs
+
     def compute(self, tf_runner: Any, model: Any, batch_data: dict[str, Any]) -> None:
         io = tf_runner.inputs_and_outputs
         if io.use_block_table:  # the flash decode path; refused at start, kept as a guard
@@ -411,7 +494,9 @@ class _Session:
         stream = io.compute_stream
         try:
             with _on_stream(stream):
-                if bucket in self.captured:
+                if bucket in self.captured or breakable_graphs_disabled():
+                    # Disabled, the runner runs the batch eagerly (an eager call, not a first
+                    # batch: it does not count towards the bucket's capture).
                     eager = self.record.eager_calls
                     self.runner(bucket)
                     self.record.replays += self.record.eager_calls == eager  # not run eagerly

@@ -1,0 +1,208 @@
+"""Two holes of the continuous-batching integration, on the CPU graph backend (a tiny Llama with
+random weights, greedy, float32):
+
+- ``disable_breakable_graphs()`` around ``generate_batch`` must reach the engine's own thread
+  (a context variable does not cross threads by itself): every batch eager, none captured.
+- An engine that outlives its handle must stop reporting to it: once the model is enabled
+  again, its batches count on (and follow the settings of) the new handle; while the model is
+  not enabled they run transformers' code; a removed handle's stats no longer change.
+
+As in ``test_cpu_continuous_batching.py``, only the engine's free-memory query is stubbed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import bcg_core
+
+transformers = pytest.importorskip(
+    "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
+)
+from transformers.generation.continuous_batching.cache import (  # noqa: E402
+    PagedAttentionMemoryHandler,
+)
+from transformers.generation.continuous_batching.input_outputs import (  # noqa: E402
+    ContinuousBatchingIOs,
+)
+
+PROMPT_LENGTHS = (5, 17, 9, 30, 3, 12)
+NEW_TOKENS = 10
+
+
+@pytest.fixture(autouse=True)
+def _cpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only the free-memory query: on a CPU it reports 0 bytes, and the cache refuses to exist.
+    monkeypatch.setattr(PagedAttentionMemoryHandler, "get_available_memory", lambda self: 1 << 30)
+
+
+def make_model() -> Any:
+    """A tiny Llama (random weights, float32, sdpa) on the CPU."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def configs() -> tuple[Any, Any]:
+    gen = transformers.GenerationConfig(
+        max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    cb = transformers.ContinuousBatchingConfig(
+        num_blocks=32, block_size=16, max_batch_tokens=32, q_padding_interval_size=8,
+        use_async_batching=False, use_cuda_graph=False,
+    )  # fmt: skip
+    return gen, cb
+
+
+def generate(model: Any) -> list[list[int]]:
+    """``generate_batch``'s greedy tokens, in prompt order."""
+    gen, cb = configs()
+    out = model.generate_batch(prompts(), generation_config=gen, continuous_batching_config=cb)
+    return [list(out[rid].generated_tokens) for rid in sorted(out, key=_index)]
+
+
+def _index(request_id: str) -> int:
+    return int(request_id.rsplit("_", 1)[-1])
+
+
+def serve(manager: Any, tag: str) -> list[list[int]]:
+    """Every prompt through a running engine; the greedy tokens in prompt order."""
+    for i, p in enumerate(prompts()):
+        manager.add_request(p, request_id=f"{tag}_{i}", max_new_tokens=NEW_TOKENS)
+    results: dict[str, list[int]] = {}
+    while len(results) < len(PROMPT_LENGTHS):
+        out = manager.get_result(timeout=60)
+        assert out is not None, "the engine stopped before every request finished"
+        results[out.request_id] = list(out.generated_tokens)
+    return [results[f"{tag}_{i}"] for i in range(len(PROMPT_LENGTHS))]
+
+
+@pytest.fixture
+def engine() -> Iterator[tuple[Any, Any]]:
+    """``make_model()`` and a long-lived engine for it (``init_continuous_batching``), not yet
+    started; stopped at the end."""
+    model = make_model()
+    gen, cb = configs()
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    yield model, manager
+    manager.stop(block=True)
+
+
+class Buckets:
+    """The query bucket of every batch the engines prepare (an observer, called through)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.seen: list[int] = []
+        original = ContinuousBatchingIOs.prepare_batch_tensors
+
+        def prepare(io: Any, *args: Any, **kwargs: Any) -> None:
+            original(io, *args, **kwargs)
+            self.seen.append(int(io.num_q_tokens))
+
+        monkeypatch.setattr(ContinuousBatchingIOs, "prepare_batch_tensors", prepare)
+
+
+# -- disable_breakable_graphs() reaches the engine's thread -------------------------------------
+
+
+def test_disable_breakable_graphs_runs_generate_batch_eagerly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inside ``disable_breakable_graphs()`` every batch of ``generate_batch`` (warm-up and
+    serving, on the engine's thread) runs eagerly; the next call outside it graphs again."""
+    model = make_model()
+    eager = generate(model)
+    buckets = Buckets(monkeypatch)
+    with bcg_core.enable_continuous_batching(model) as handle:
+        with bcg_core.disable_breakable_graphs():
+            disabled = generate(model)
+        inside = handle.stats()
+        batches = len(buckets.seen)
+        graphed = generate(model)
+        after = handle.stats()
+    assert disabled == eager and graphed == eager
+    assert batches > len(PROMPT_LENGTHS)
+    assert (inside.graphs, inside.replays, inside.first_batches) == (0, 0, 0)
+    assert inside.eager_calls == batches  # every batch, the warm-up's included
+    # Outside the block the engine graphs as usual, and nothing more runs eagerly.
+    assert after.graphs >= 2 and after.replays > 0
+    assert after.eager_calls == inside.eager_calls
+
+
+# -- a long-lived engine follows the model's current handle -------------------------------------
+
+
+def test_reenabled_model_reports_to_the_new_handle(
+    engine: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After ``h1.remove()`` and a new ``enable_continuous_batching(capture_after=0)``, the
+    running engine's batches count on the new handle and follow its ``capture_after`` (every
+    bucket captured on its first batch); the removed handle's stats stay as they were."""
+    eager = generate(make_model())
+    model, manager = engine
+    h1 = bcg_core.enable_continuous_batching(model)
+    manager.start()
+    assert serve(manager, "a") == eager
+    h1.remove()
+    frozen = h1.stats()
+    assert frozen.graphs >= 1 and frozen.replays > 0
+    buckets = Buckets(monkeypatch)
+    with bcg_core.enable_continuous_batching(model, capture_after=0) as h2:
+        assert serve(manager, "b") == eager
+        stats = h2.stats()
+    assert h1.stats() == frozen
+    assert stats.first_batches == 0 and stats.eager_calls == 0
+    assert stats.graphs == len(set(buckets.seen)) and stats.graphs >= 2
+    assert stats.replays == len(buckets.seen) - stats.graphs
+
+
+def test_engine_of_a_removed_model_runs_transformers_code(engine: tuple[Any, Any]) -> None:
+    """While the model is not enabled (the patches held by another model's handle) its running
+    engine runs transformers' code with transformers' own padding setting, and counts
+    nowhere; enabled again, it graphs for the new handle."""
+    eager = generate(make_model())
+    model, manager = engine
+    with bcg_core.enable_continuous_batching(make_model()) as other:
+        h1 = bcg_core.enable_continuous_batching(model)
+        manager.start()
+        assert serve(manager, "a") == eager
+        runner = manager.batch_processor.model_runner
+        assert runner.pad_inputs  # bcg's query-padded batches
+        h1.remove()
+        frozen = h1.stats()
+        assert not runner.pad_inputs  # transformers' own setting (no CUDA graphs, no compile)
+        assert serve(manager, "b") == eager
+        assert h1.stats() == frozen
+        with bcg_core.enable_continuous_batching(model) as h3:
+            assert serve(manager, "c") == eager
+            again = h3.stats()
+        assert other.stats().graphs == 0
+    assert again.graphs >= 1 and again.replays > 0
+
+
+def test_removed_handle_stats_stop_changing() -> None:
+    """Two handles share the model's counters; once one is removed its stats are frozen, while
+    the other keeps counting."""
+    model = make_model()
+    first = bcg_core.enable_continuous_batching(model)
+    with bcg_core.enable_continuous_batching(model) as second:
+        generate(model)
+        first.remove()
+        frozen = first.stats()
+        generate(model)
+        assert first.stats() == frozen
+        assert second.stats().replays > frozen.replays
