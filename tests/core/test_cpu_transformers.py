@@ -84,14 +84,19 @@ def runner_and_caches(
 
 
 def decode_through_runner(
-    model: Any, steps: int, device: str = "cpu", mask_breaks: int = 0
+    model: Any,
+    steps: int,
+    device: str = "cpu",
+    mask_breaks: int = 0,
+    mode: Callable[[], Any] = torch.no_grad,
 ) -> None:
     """Greedy decode: the runner's graph against eager on a second cache, bitwise, per step.
-    ``mask_breaks``: the mask functions the forward calls as breaks (bases other than sdpa)."""
+    ``mask_breaks``: the mask functions the forward calls as breaks (bases other than sdpa);
+    ``mode``: what capture and decode run under (``torch.inference_mode`` as engines do)."""
     prompt = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
     runner, cache, reference_cache = runner_and_caches(model, prompt, device)
     ids = prompt[:, -1:].flip(0)
-    with torch.no_grad():
+    with mode():
         saved = [t.clone() for t in cache_tensors(cache)]
         runner.capture(ids)  # advances the cache several times...
         for t, s in zip(cache_tensors(cache), saved, strict=True):
@@ -114,6 +119,16 @@ def decode_through_runner(
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_static_cache_decode_replays_equal_eager(family: str) -> None:
     decode_through_runner(_model(family, bcg_core.breakable_attention("sdpa")), steps=3)
+
+
+@pytest.mark.parametrize("base", ["sdpa", "eager"])
+def test_decode_captured_in_inference_mode_replays_equal_eager(base: str) -> None:
+    # Under inference mode sdpa reached the kernel-break mode whole: the capture was refused
+    # ("0 fused attention kernels") and the runner served every step eagerly.
+    model = _model("llama", bcg_core.breakable_attention(base))
+    decode_through_runner(
+        model, steps=3, mask_breaks=int(base != "sdpa"), mode=torch.inference_mode
+    )
 
 
 @pytest.mark.parametrize("base", ["sdpa", "eager"])

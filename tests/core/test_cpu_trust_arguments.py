@@ -200,3 +200,42 @@ def test_capture_many_reports_calls_under_disabled_graphs() -> None:
     assert len(again.captured) == 2 and again.failed == ()
     replayed = runner.capture_many([((torch.ones(n),), {}) for n in (1, 2)])
     assert replayed.captured == () and replayed.failed == ()  # replays are not reported
+
+
+@eager_on_graph(name="trust_args.tanh")
+def _tanh_noting_grad(h: torch.Tensor) -> torch.Tensor:
+    _GRAD_SEEN.append(torch.is_grad_enabled())
+    return h.tanh()
+
+
+_GRAD_SEEN: list[bool] = []
+
+
+def test_a_no_grad_capture_serves_inference_mode_callers_with_their_state(device: str) -> None:
+    w = torch.randn(16, 16, device=device)
+
+    def step(x: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        h = _tanh_noting_grad(x @ w)
+        kv.index_copy_(0, pos, h)
+        pos.add_(1)
+        return h.sum(0) + kv.sum(0)
+
+    def state() -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            torch.zeros(1, dtype=torch.long, device=device),
+            torch.zeros(8, 16, device=device),
+        )
+
+    runner = BreakableGraphRunner(step, device=device)
+    with torch.no_grad():
+        runner.capture(torch.randn(1, 16, device=device), *state())
+    with torch.inference_mode():  # per-request state made in inference mode, written back
+        x = torch.randn(1, 16, device=device)
+        pos, kv = state()
+        want_pos, want_kv = state()
+        want = step(x, want_pos, want_kv)
+        _GRAD_SEEN.clear()
+        got = runner(x, pos, kv)
+    assert torch.equal(got, want) and torch.equal(pos, want_pos) and torch.equal(kv, want_kv)
+    assert _GRAD_SEEN == [False]  # the break runs with the caller's grad mode
+    assert runner.stats.hits == 1

@@ -36,6 +36,25 @@ def test_static_cache_decode_replays_equal_eager_on_cuda(family: str, base: str)
     decode_through_runner(model, steps=3, device="cuda", mask_breaks=int(base != "sdpa"))
 
 
+@pytest.mark.parametrize("base", ["sdpa", "eager"])
+def test_decode_captured_in_inference_mode_on_cuda(base: str) -> None:
+    import transformers
+
+    torch.manual_seed(0)
+    model = (
+        transformers.AutoModelForCausalLM.from_config(
+            FAMILIES["llama"](),
+            attn_implementation=bcg_core.breakable_attention(base),
+            dtype=torch.bfloat16,
+        )
+        .to("cuda")
+        .eval()
+    )
+    decode_through_runner(
+        model, steps=3, device="cuda", mask_breaks=int(base != "sdpa"), mode=torch.inference_mode
+    )
+
+
 FUSED = {
     "efficient": (SDPBackend.EFFICIENT_ATTENTION, "_scaled_dot_product_efficient_attention"),
     "cudnn": (SDPBackend.CUDNN_ATTENTION, "_scaled_dot_product_cudnn_attention"),

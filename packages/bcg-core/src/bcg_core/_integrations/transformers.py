@@ -429,6 +429,9 @@ class _KernelAsBreak(TorchFunctionMode):
         return out
 
 
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
 class _FusedKernelAsBreak(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Inside one sdpa call under capture: its fused kernel op becomes the break, every other
     op (sdpa's preparation of the mask and inputs, the slicing of the output) is captured as
@@ -448,6 +451,12 @@ class _FusedKernelAsBreak(torch.utils._python_dispatch.TorchDispatchMode):  # ty
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func is _SDPA:
+            # Under inference mode sdpa reaches the mode whole (the autograd key, which would
+            # have run its decomposition, is skipped): decompose it here, in the mode, so that
+            # its fused kernel (the one eager picks) reaches the mode as the break.
+            with self:
+                return func.decompose(*args, **kwargs)
         if func not in self._kernels:
             return func(*args, **kwargs)
         self.calls += 1

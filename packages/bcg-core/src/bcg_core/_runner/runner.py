@@ -707,12 +707,13 @@ class BreakableGraphRunner:
         self._busy = True
         # The graph runs in the capture's inference mode: its bridges and what its breaks read
         # are inference tensors or not as at capture, and writing them in the other mode
-        # raises. The output is cloned in the caller's mode. (Entered by hand, not in a `with`
-        # frame: a replay in the capture's mode pays one test.)
+        # raises. Written arguments are copied back and the output cloned in the caller's
+        # mode. (Entered by hand, not in a `with` frame: a replay in the capture's mode pays
+        # one test.)
         mode = (
             None
             if torch.is_inference_mode_enabled() is entry.inference
-            else torch.inference_mode(entry.inference)
+            else _capture_mode(entry.inference)
         )
         try:
             if mode is not None:
@@ -724,10 +725,10 @@ class BreakableGraphRunner:
                 else:
                     with self.replay_context():
                         entry.graph.replay()
-                entry.store(live)
             finally:
                 if mode is not None:
                     mode.__exit__(None, None, None)
+            entry.store(live)
             out = entry.output if self.return_views else entry.clone()
         finally:
             self._busy = False
@@ -743,6 +744,15 @@ class BreakableGraphRunner:
         and hashing its signature. Dropped whenever an entry leaves ``_entries``."""
         guard = FlatGuard.of(args, kwargs)
         self._last = None if guard is None else (guard, sig, entry)
+
+
+@contextlib.contextmanager
+def _capture_mode(inference: bool) -> Iterator[None]:
+    """Inference mode as at capture, grad mode as the caller's (leaving inference mode would
+    turn grad mode on, and breaks would record autograd)."""
+    grad = torch.is_grad_enabled()
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        yield
 
 
 def _note_storage(seen: dict[int, int], t: torch.Tensor) -> None:
