@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -239,3 +240,29 @@ def test_a_no_grad_capture_serves_inference_mode_callers_with_their_state(device
     assert torch.equal(got, want) and torch.equal(pos, want_pos) and torch.equal(kv, want_kv)
     assert _GRAD_SEEN == [False]  # the break runs with the caller's grad mode
     assert runner.stats.hits == 1
+
+
+# -- objects the call passed in come back as themselves ------------------------------------------
+
+
+class _Cache:
+    def __init__(self, device: str) -> None:
+        self.k = torch.zeros(4, device=device)
+
+
+def test_an_object_the_call_passed_in_comes_back_as_itself(device: str) -> None:
+    def step(x: torch.Tensor, cache: _Cache) -> dict[str, Any]:
+        cache.k.add_(x)
+        return {"y": x * 2, "cache": cache}
+
+    cache = _Cache(device)
+    runner = BreakableGraphRunner(step, device=device, warmup_iters=0)
+    first = runner.capture(torch.ones(4, device=device), cache)
+    out = runner(torch.ones(4, device=device), first["cache"])  # the loop `cache = out.cache`
+    assert out["cache"] is cache  # was a copy with cloned tensors: a new address, a miss
+    assert torch.equal(out["y"], torch.full((4,), 2.0, device=device))
+    assert torch.equal(cache.k, torch.full((4,), 2.0, device=device))
+    assert runner.stats.hits == 1 and runner.stats.misses == 0
+    y = out["y"]
+    runner(torch.full((4,), 3.0, device=device), cache)
+    assert torch.equal(y, torch.full((4,), 2.0, device=device))  # fresh tensors still cloned

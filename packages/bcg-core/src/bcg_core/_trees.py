@@ -37,7 +37,7 @@ import enum
 import functools
 import math
 import types
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
@@ -235,13 +235,21 @@ def tensor_leaves(obj: Any, *, into_objects: bool = True) -> list[torch.Tensor]:
     return found
 
 
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], *, into_objects: bool = True) -> Any:
+def map_tensors(
+    obj: Any,
+    fn: Callable[[torch.Tensor], Any],
+    *,
+    into_objects: bool = True,
+    keep: Iterable[int] = (),
+) -> Any:
     """``obj`` rebuilt with ``fn`` applied to every tensor, keeping every node's type.
 
     Nodes whose children all come back unchanged are returned as they are. With
     ``into_objects=False`` dataclasses and plain objects are left untouched (the runner passes
-    them by reference).
+    them by reference); nodes whose ``id`` is in ``keep`` are left untouched too.
     """
+    if keep:
+        return _map(obj, fn, into_objects, set(keep))
     kind = type(obj)
     if kind is tuple or kind is list:  # the common flat argument list, without the walk
         items = obj
@@ -259,6 +267,26 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], *, into_objects: bo
     if all(m is x for m, x in zip(mapped, obj, strict=True)):
         return obj
     return tuple(mapped) if kind is tuple else mapped
+
+
+def object_ids(obj: Any) -> set[int]:
+    """The ids of the dataclasses and plain objects in ``obj``, and in them."""
+    found: set[int] = set()
+
+    def walk(node: Any, active: set[int]) -> None:
+        kind = _kind(node)
+        if kind is None or id(node) in active or id(node) in found:
+            return
+        if kind != _PYTREE:
+            found.add(id(node))
+        active.add(id(node))
+        for child in _children(node, kind)[0]:
+            if not isinstance(child, torch.Tensor) and type(child) not in SCALARS:
+                walk(child, active)
+        active.discard(id(node))
+
+    walk(obj, set())
+    return found
 
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], Any], into_objects: bool, active: set[int]) -> Any:

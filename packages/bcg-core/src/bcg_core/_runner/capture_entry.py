@@ -109,6 +109,8 @@ def capture_entry(
         pool_bytes=graph.pool_bytes(),
         warmup_ms=(captured - started) * 1e3,
         inference=torch.is_inference_mode_enabled(),
+        # Both sets are of objects alive now, so no id is another's.
+        passed=frozenset(_trees.object_ids(call) & _trees.object_ids(output)),
         # Arguments the captured step wrote in place (a KV cache, a position advanced): copied
         # back after every replay, as eager would have left them. (An in-place change of
         # shape, such as unsqueeze_, is not replayed by a graph: nothing to copy.)

@@ -15,11 +15,13 @@ from bcg_core._capture.graph import BreakableCUDAGraph
 from bcg_core._signature import FEW_COPIES, copy_all, copy_unless_same
 
 
-def _cloner(output: Any) -> Callable[[], Any]:
-    """A callable returning a copy of ``output`` with every tensor cloned (types kept)."""
+def _cloner(output: Any, passed: frozenset[int]) -> Callable[[], Any]:
+    """A callable returning a copy of ``output`` with every tensor cloned (types kept), except
+    in the objects whose ids are in ``passed`` (objects the call passed in, such as a cache,
+    which come back as themselves, as eager returns them)."""
     if isinstance(output, torch.Tensor):
         return output.clone
-    return lambda: _trees.map_tensors(output, torch.Tensor.clone)
+    return lambda: _trees.map_tensors(output, torch.Tensor.clone, keep=passed)
 
 
 def _none_is_its_buffer(live: list[torch.Tensor], ptrs: tuple[int, ...]) -> bool:
@@ -44,7 +46,9 @@ class Entry:
     the graph writes in place (their version counters moved during the capture): after each
     replay they are copied back into the caller's tensors (:meth:`store`), so an in-place update
     is never lost. ``inference`` is whether the capture ran in inference mode: replays run in
-    the same mode. ``output`` never requires grad (detached at capture): a replay serves
+    the same mode. ``passed``: the ids of objects (dataclasses, plain objects: a cache) that
+    the call passed in and the output holds; a clone of the output returns them as themselves.
+    ``output`` never requires grad (detached at capture): a replay serves
     inference, and autograd history from the capture would point at overwritten memory.
     """
 
@@ -60,6 +64,7 @@ class Entry:
     pool_bytes: int | None
     written: tuple[int, ...] = ()
     inference: bool = False
+    passed: frozenset[int] = frozenset()
     replays: int = 0
     warmup_ms: float = 0.0
     _copy: tuple[int, ...] = field(init=False)
@@ -77,7 +82,7 @@ class Entry:
         self._only_copies = bool(self.statics) and not self.fill and not self.scalars
         self._few_copies = self._only_copies and len(self.statics) <= FEW_COPIES
         self._dst_ptrs = tuple(t.data_ptr() for t in self.statics)
-        self.clone = _cloner(self.output)
+        self.clone = _cloner(self.output, self.passed)
 
     def load(self, live: list[torch.Tensor], values: list[bool | int | float]) -> None:
         """Write one call's inputs into the static buffers."""
