@@ -4,6 +4,8 @@ crash, and is now an eager run, a separate signature or an output without autogr
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import warnings
 from typing import Any
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from bcg_core import BreakableGraphRunner, disable_breakable_graphs, eager_on_graph, signature_of
+from bcg_core._runner.overlap import Layout, may_overlap  # noqa: PLC2701
 
 
 def _bump_then_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -266,3 +269,63 @@ def test_an_object_the_call_passed_in_comes_back_as_itself(device: str) -> None:
     y = out["y"]
     runner(torch.full((4,), 3.0, device=device), cache)
     assert torch.equal(y, torch.full((4,), 2.0, device=device))  # fresh tensors still cloned
+
+
+def test_interleaved_views_of_one_cache_replay(device: str) -> None:
+    # A paged K/V cache [layers, 2, ...]: cache[:, 0] and cache[:, 1] interleave without
+    # sharing an element. Comparing byte ranges alone sent every call eagerly.
+    def step(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k.add_(1)
+        v.add_(2)
+        return k.sum() + v.sum()
+
+    cache = torch.zeros(3, 2, 4, device=device)
+    runner = BreakableGraphRunner(step, device=device, warmup_iters=0)
+    runner.capture(cache[:, 0], cache[:, 1])
+    for _ in range(2):
+        runner(cache[:, 0], cache[:, 1])
+    assert runner.stats.captures == 1 and runner.stats.hits == 2 and runner.stats.misses == 0
+    assert torch.equal(cache[:, 0], torch.full((3, 4), 3.0, device=device))
+    assert torch.equal(cache[:, 1], torch.full((3, 4), 6.0, device=device))
+
+
+@dataclasses.dataclass
+class _Meta:
+    view: torch.Tensor
+
+
+def test_a_written_argument_viewed_by_an_object_argument_runs_eagerly(device: str) -> None:
+    def step(x: torch.Tensor, meta: _Meta) -> torch.Tensor:
+        x.fill_(5.0)
+        return meta.view * 2
+
+    x = torch.zeros(3, device=device)
+    runner = BreakableGraphRunner(step, device=device, warmup_iters=0)
+    out = runner.capture(x, _Meta(x))
+    assert torch.equal(out, torch.full((3,), 10.0, device=device))  # was the stale 0
+    assert runner.stats.captures == 0
+
+
+def _elements(t: torch.Tensor, base: int) -> set[int]:
+    idx = [
+        sum(i * s for i, s in zip(ix, t.stride(), strict=True))
+        for ix in itertools.product(*(range(n) for n in t.shape))
+    ]
+    return {(t.data_ptr() - base) // t.element_size() + i for i in idx}
+
+
+def test_the_exact_overlap_test_agrees_with_counting_elements() -> None:
+    gen = torch.Generator().manual_seed(0)
+    storage = torch.zeros(4096)
+    base = storage.data_ptr()
+    for _ in range(400):
+        views = []
+        for _ in range(2):
+            dims = int(torch.randint(1, 4, (), generator=gen))
+            shape = [int(torch.randint(1, 5, (), generator=gen)) for _ in range(dims)]
+            stride = [int(torch.randint(0, 40, (), generator=gen)) for _ in range(dims)]
+            offset = int(torch.randint(0, 200, (), generator=gen))
+            views.append(storage.as_strided(shape, stride, offset))
+        a, b = views
+        truth = bool(_elements(a, base) & _elements(b, base))
+        assert may_overlap(Layout.of(a), Layout.of(b)) == truth, (a.shape, a.stride(), b.stride())

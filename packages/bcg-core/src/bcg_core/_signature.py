@@ -349,10 +349,22 @@ def flatten_signature(sig: Signature) -> dict[str, Any]:
     return out
 
 
-def tensor_paths(sig: Signature) -> list[str]:
+def tensor_paths(sig: Signature, kind: str = "tensor") -> list[str]:
     """The paths of a signature's tensors in containers (``args[0]``, ``kwargs['x']``), in the
-    order of the call's static buffers."""
-    return [path for path, key in flatten_signature(sig).items() if key[0] == "tensor"]
+    order of the call's static buffers; with ``kind="tensor@"`` those of its tensors inside
+    objects (``args[1].seq_lens``), in the order of :func:`object_tensors`."""
+    return [path for path, key in flatten_signature(sig).items() if key[0] == kind]
+
+
+def object_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The plain tensors inside a call's dataclasses and objects (used in place, keyed by
+    address), in walk order."""
+    leaves, spec = _trees.flatten(_call(args, kwargs))
+    return [
+        x
+        for x, inside in zip(leaves, _trees.in_object(spec), strict=True)
+        if inside and isinstance(x, torch.Tensor) and is_plain_tensor(x)
+    ]
 
 
 def _describe(leaf: Any) -> str:

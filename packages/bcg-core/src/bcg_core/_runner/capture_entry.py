@@ -17,9 +17,10 @@ from bcg_core._capture.flag import enable_breakable_cuda_graph
 from bcg_core._capture.graph import BreakableCUDAGraph
 from bcg_core._runner.calls import Call
 from bcg_core._runner.entry import Entry
+from bcg_core._runner.overlap import OverlapCheck
 from bcg_core._runner.pool import PoolTurn
 from bcg_core._runner.scalars import ScalarSlots
-from bcg_core._signature import identity_objects, static_buffer, static_call
+from bcg_core._signature import identity_objects, object_tensors, static_buffer, static_call
 
 
 def capture_entry(
@@ -96,6 +97,12 @@ def capture_entry(
         current.wait_stream(lane)  # before the static buffers are freed
         graph.reset()
         raise
+    # Arguments the captured step wrote in place (a KV cache, a position advanced): copied
+    # back after every replay, as eager would have left them. (An in-place change of shape,
+    # such as unsqueeze_, is not replayed by a graph: nothing to copy.)
+    written = tuple(
+        i for i, t in enumerate(statics) if t._version != versions[i] and t.shape == live[i].shape
+    )
     return Entry(
         graph=graph,
         statics=statics,
@@ -111,14 +118,8 @@ def capture_entry(
         inference=torch.is_inference_mode_enabled(),
         # Both sets are of objects alive now, so no id is another's.
         passed=frozenset(_trees.object_ids(call) & _trees.object_ids(output)),
-        # Arguments the captured step wrote in place (a KV cache, a position advanced): copied
-        # back after every replay, as eager would have left them. (An in-place change of
-        # shape, such as unsqueeze_, is not replayed by a graph: nothing to copy.)
-        written=tuple(
-            i
-            for i, t in enumerate(statics)
-            if t._version != versions[i] and t.shape == live[i].shape
-        ),
+        written=written,
+        overlap=OverlapCheck(written, object_tensors(*lifted)),
     )
 
 

@@ -12,6 +12,7 @@ import torch
 
 from bcg_core import _trees
 from bcg_core._capture.graph import BreakableCUDAGraph
+from bcg_core._runner.overlap import OverlapCheck
 from bcg_core._signature import FEW_COPIES, copy_all, copy_unless_same
 
 
@@ -48,7 +49,8 @@ class Entry:
     is never lost. ``inference`` is whether the capture ran in inference mode: replays run in
     the same mode. ``passed``: the ids of objects (dataclasses, plain objects: a cache) that
     the call passed in and the output holds; a clone of the output returns them as themselves.
-    ``output`` never requires grad (detached at capture): a replay serves
+    ``overlap`` tells the calls whose written argument shares memory with another (they run
+    eagerly). ``output`` never requires grad (detached at capture): a replay serves
     inference, and autograd history from the capture would point at overwritten memory.
     """
 
@@ -65,6 +67,7 @@ class Entry:
     written: tuple[int, ...] = ()
     inference: bool = False
     passed: frozenset[int] = frozenset()
+    overlap: OverlapCheck = field(default_factory=lambda: OverlapCheck((), []))
     replays: int = 0
     warmup_ms: float = 0.0
     _copy: tuple[int, ...] = field(init=False)

@@ -28,7 +28,6 @@ from bcg_core._runner.calls import Call, call_bytes, call_shapes, check_call
 from bcg_core._runner.capture_entry import capture_entry
 from bcg_core._runner.entry import Entry
 from bcg_core._runner.misses import MissLog
-from bcg_core._runner.overlap import written_overlap
 from bcg_core._runner.pool import PoolTurn, share_turn
 from bcg_core._runner.progress import capture_progress
 from bcg_core._runner.scalars import ScalarSlots
@@ -265,8 +264,8 @@ class BreakableGraphRunner:
                 sig, live = signature_and_tensors(call_args, call_kwargs)
                 entry = self._entries.get(sig)
             if entry is not None:
-                if entry.written and written_overlap(live, entry.written):
-                    return self._refuse(sig, live, entry.written, (args, kwargs))
+                if entry.written and (pair := entry.overlap.find(live)) is not None:
+                    return self._refuse(sig, live, pair, (args, kwargs))
                 replays = entry.replays
                 try:
                     return self._replay(entry, live, values)
@@ -606,11 +605,12 @@ class BreakableGraphRunner:
             return self._capture_failed(sig, exc, call)
         self._busy = False
         graph = entry.graph
-        if written_overlap(live, entry.written):
+        pair = entry.overlap.find(live)
+        if pair is not None:
             # The capture ran on separate buffers: its result is not what eager gives. The
             # caller's tensors are untouched (nothing was copied back), so eager runs cleanly.
             graph.reset()
-            return self._refuse(sig, live, entry.written, call)
+            return self._refuse(sig, live, pair, call)
         if self.max_segments is not None and graph.num_segments > self.max_segments:
             self.disabled_reason = (
                 f"a capture produced {graph.num_segments} graph segments, more than "
@@ -655,7 +655,7 @@ class BreakableGraphRunner:
         elif sig in self._blocked:
             why = f"its capture failed earlier ({self._blocked[sig]})"
         else:
-            why = "an argument the graph writes shares memory with another argument"
+            why = "an argument the graph writes shares memory with another argument or object"
         return sig, why
 
     def _capture_failed(self, sig: Signature, exc: Exception, call: Call) -> Any:
@@ -681,20 +681,20 @@ class BreakableGraphRunner:
         return self.module(*call[0], **call[1])
 
     def _refuse(
-        self, sig: Signature, live: list[torch.Tensor], written: tuple[int, ...], call: Call
+        self, sig: Signature, live: list[torch.Tensor], pair: tuple[int, int], call: Call
     ) -> Any:
-        """Run eagerly a call whose written argument shares memory with another argument (see
-        ``overlap.py``): a miss, said once."""
+        """Run eagerly a call whose written argument shares memory with another argument or a
+        tensor inside an object argument (see ``overlap.py``): a miss, said once."""
         self._counts["misses"] += 1
-        pair = written_overlap(live, written)
-        assert pair is not None  # why the call was refused
         paths = tensor_paths(sig)
+        i, j = pair
+        other = paths[j] if j < len(live) else tensor_paths(sig, "tensor@")[j - len(live)]
         self._misses.refused(
             "overlap",
-            f"{paths[pair[0]]} and {paths[pair[1]]} of this call share memory and the "
-            f"captured step writes {paths[pair[0]]} in place; the runner copies each argument "
-            "into a buffer of its own, so such calls run eagerly: pass tensors that do not "
-            "overlap (clone one) to replay the graph",
+            f"{paths[i]} and {other} of this call share memory and the captured step writes "
+            f"{paths[i]} in place; the runner copies each argument into a buffer of its own, "
+            "so such calls run eagerly: pass tensors that do not overlap (clone one) to replay "
+            "the graph",
         )
         return self.module(*call[0], **call[1])
 
