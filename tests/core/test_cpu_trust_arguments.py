@@ -329,3 +329,30 @@ def test_the_exact_overlap_test_agrees_with_counting_elements() -> None:
         a, b = views
         truth = bool(_elements(a, base) & _elements(b, base))
         assert may_overlap(Layout.of(a), Layout.of(b)) == truth, (a.shape, a.stride(), b.stride())
+
+
+# -- layouts --------------------------------------------------------------------------------------
+
+
+def test_a_transposed_input_is_another_signature_than_a_row_major_one(device: str) -> None:
+    runner = BreakableGraphRunner(lambda x: x.sum(0), device=device, warmup_iters=0)
+    gen = torch.Generator().manual_seed(0)
+    transposed = torch.randn(1000, 7, generator=gen).to(device).t()
+    runner.capture(transposed)
+    row_major = torch.randn(7, 1000, generator=gen).to(device)
+    for _ in range(2):  # the second call would meet the last hit's guard
+        assert torch.equal(runner(row_major), row_major.sum(0))  # eager: a miss, bitwise
+    assert runner.stats.misses == 2 and runner.stats.hits == 0
+    other = torch.randn(1000, 7, generator=gen).to(device).t()
+    assert torch.equal(runner(other), other.sum(0))
+    assert runner.stats.hits == 1
+
+
+def test_a_slice_of_a_row_major_tensor_shares_the_contiguous_signature(device: str) -> None:
+    # prompt[:, -1:] at capture, argmax outputs at decode: both give a row-major buffer.
+    runner = BreakableGraphRunner(lambda ids: ids * 2, device=device, warmup_iters=0)
+    prompt = torch.arange(12, device=device).reshape(2, 6)
+    runner.capture(prompt[:, -1:])
+    nxt = torch.tensor([[1], [2]], device=device)
+    assert torch.equal(runner(nxt), nxt * 2)
+    assert runner.stats.hits == 1

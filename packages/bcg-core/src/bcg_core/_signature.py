@@ -5,8 +5,9 @@ correctly for another with the same signature. The call ``(args, kwargs sorted b
 walked by ``_trees.py`` (the one walker), and the signature is its structure (the tree spec:
 container types, dict keys, field and attribute names, lengths) plus one key per leaf:
 
-- a tensor in containers (lists, tuples, dicts, named tuples...): shape, dtype, device; the
-  runner copies it into a static buffer at every call. Only a dense strided tensor of torch's
+- a tensor in containers (lists, tuples, dicts, named tuples...): shape, dtype, device and the
+  order of its dimensions by stride when not row-major (:func:`layout_key`); the runner
+  copies it into a static buffer at every call. Only a dense strided tensor of torch's
   own type (or a parameter) is copied (:func:`is_plain_tensor`): a sparse, nested or mkldnn
   tensor, or a tensor subclass, is an object of the signature, keyed by identity and passed
   as itself (a static buffer would be a plain dense tensor, and replaying a graph captured on
@@ -41,6 +42,20 @@ from bcg_core import _trees
 Signature = tuple[Any, ...]
 
 _STRIDED = torch.strided
+
+
+def layout_key(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The layout part of a tensor's key: None when its static buffer is row-major (it is
+    contiguous, or a slice of a row-major tensor), else the order of its dimensions by stride,
+    outermost first: the order ``clone`` keeps, so a graph captured on a transposed tensor
+    reads a transposed buffer and is not replayed for a row-major one (kernels walk them in
+    other orders: a sum differs in its last bits)."""
+    if t.is_contiguous():
+        return None
+    strides = t.stride()
+    dims = [d for d, n in enumerate(t.shape) if n != 1]
+    order = sorted(dims, key=lambda d: -strides[d])  # stable: equal strides keep their order
+    return None if order == dims else tuple(order)
 
 
 def is_plain_tensor(t: torch.Tensor) -> bool:
@@ -136,7 +151,7 @@ def _flat_signature(
         if cls is torch.Tensor:
             if leaf.layout is not _STRIDED or leaf.is_nested:
                 return None  # an object of the signature (see is_plain_tensor)
-            keys.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device))
+            keys.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, layout_key(leaf)))
             live.append(leaf)
         elif cls is ScalarInput:
             keys.append(("scalar", leaf.kind.__name__))
@@ -166,12 +181,12 @@ class FlatGuard:
         """Raises ``TypeError`` for a call that is not flat (see :meth:`of`)."""
         self._n_args = len(args)
         self._names = tuple(sorted(kwargs))
-        tensors: list[tuple[int, torch.Size, torch.dtype, torch.device]] = []
+        tensors: list[tuple[int, torch.Size, torch.dtype, torch.device, Any]] = []
         others: list[tuple[int, type, Any]] = []
         for i, leaf in enumerate((*args, *(kwargs[n] for n in self._names))):
             cls = type(leaf)
             if cls is torch.Tensor and leaf.layout is _STRIDED and not leaf.is_nested:
-                tensors.append((i, leaf.shape, leaf.dtype, leaf.device))
+                tensors.append((i, leaf.shape, leaf.dtype, leaf.device, layout_key(leaf)))
             elif cls is ScalarInput or cls in _trees.SCALARS:
                 others.append((i, cls, leaf))
             else:
@@ -207,11 +222,13 @@ class FlatGuard:
             if cls is float and not value and _const_kind(leaf) != _const_kind(value):
                 return None  # 0.0 and -0.0
         live: list[torch.Tensor] = []
-        for i, shape, dtype, device in self._tensors:
+        for i, shape, dtype, device, order in self._tensors:
             t = leaves[i]
             if type(t) is not torch.Tensor or t.layout is not _STRIDED or t.is_nested:
                 return None
             if t.shape != shape or t.dtype != dtype or t.device != device:
+                return None
+            if not (order is None and t.is_contiguous()) and layout_key(t) != order:
                 return None
             live.append(t)
         return live
@@ -238,7 +255,9 @@ def walked_signature(
             if inside:
                 keys.append(("tensor@", tuple(leaf.shape), leaf.dtype, leaf.device, _addr(leaf)))
             else:
-                keys.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device))
+                keys.append(
+                    ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, layout_key(leaf))
+                )
                 live.append(leaf)
         elif isinstance(leaf, ScalarInput):
             keys.append(("scalar", leaf.kind.__name__))
@@ -372,7 +391,8 @@ def _describe(leaf: Any) -> str:
         return "absent"
     kind = leaf[0]
     if kind == "tensor":
-        return f"tensor{list(leaf[1])} {leaf[2]} on {leaf[3]}"
+        order = "" if leaf[4] is None else f" with dimensions ordered {list(leaf[4])} by stride"
+        return f"tensor{list(leaf[1])} {leaf[2]} on {leaf[3]}{order}"
     if kind == "tensor@":
         return f"tensor{list(leaf[1])} {leaf[2]} on {leaf[3]} at address {leaf[4][0]:#x}"
     if kind == "const":
