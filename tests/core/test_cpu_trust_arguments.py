@@ -356,3 +356,15 @@ def test_a_slice_of_a_row_major_tensor_shares_the_contiguous_signature(device: s
     nxt = torch.tensor([[1], [2]], device=device)
     assert torch.equal(runner(nxt), nxt * 2)
     assert runner.stats.hits == 1
+
+
+def test_one_output_tensor_returned_twice_stays_one_after_detaching() -> None:
+    lin = torch.nn.Linear(2, 2)
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = lin(x)
+        return y, y
+
+    runner = BreakableGraphRunner(step, device="cpu", warmup_iters=0, return_views=True)
+    a, b = runner.capture(torch.ones(1, 2))
+    assert a is b and not a.requires_grad

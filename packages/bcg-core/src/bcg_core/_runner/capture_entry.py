@@ -90,7 +90,7 @@ def capture_entry(
             BreakableCUDAGraphCapture(graph, capture_error_mode=capture_error_mode),
         ):
             output = module(*static_args, **static_kwargs)
-        output = _trees.map_tensors(output, _without_history)
+        output = _without_history(output)
         backend.synchronize((lane,))
         done = time.perf_counter()
     except BaseException:
@@ -123,7 +123,18 @@ def capture_entry(
     )
 
 
-def _without_history(t: torch.Tensor) -> torch.Tensor:
-    # Replays overwrite what the capture's autograd graph saved: a backward through it would
-    # compute from other values. Outputs of a replay carry no history.
-    return t.detach() if t.requires_grad else t
+def _without_history(output: Any) -> Any:
+    """``output`` with each tensor that requires grad detached, once per tensor (one tensor
+    returned twice stays one). Replays overwrite what the capture's autograd graph saved: a
+    backward through it would compute from other values, so a replay's outputs carry no
+    history."""
+    detached: dict[int, torch.Tensor] = {}
+
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        if not t.requires_grad:
+            return t
+        if id(t) not in detached:
+            detached[id(t)] = t.detach()
+        return detached[id(t)]
+
+    return _trees.map_tensors(output, leaf)
