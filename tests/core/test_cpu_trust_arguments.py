@@ -337,13 +337,13 @@ def test_the_exact_overlap_test_agrees_with_counting_elements() -> None:
 def test_a_transposed_input_is_another_signature_than_a_row_major_one(device: str) -> None:
     runner = BreakableGraphRunner(lambda x: x.sum(0), device=device, warmup_iters=0)
     gen = torch.Generator().manual_seed(0)
-    transposed = torch.randn(1000, 7, generator=gen).to(device).t()
+    transposed = torch.randn(1000, 7, generator=gen, device="cpu").to(device).t()
     runner.capture(transposed)
-    row_major = torch.randn(7, 1000, generator=gen).to(device)
+    row_major = torch.randn(7, 1000, generator=gen, device="cpu").to(device)
     for _ in range(2):  # the second call would meet the last hit's guard
         assert torch.equal(runner(row_major), row_major.sum(0))  # eager: a miss, bitwise
     assert runner.stats.misses == 2 and runner.stats.hits == 0
-    other = torch.randn(1000, 7, generator=gen).to(device).t()
+    other = torch.randn(1000, 7, generator=gen, device="cpu").to(device).t()
     assert torch.equal(runner(other), other.sum(0))
     assert runner.stats.hits == 1
 
