@@ -52,9 +52,14 @@ def make_model(attention: str = "sdpa", device: str = "cpu") -> Any:
     return model
 
 
-def generate(model: Any, interval: int = 8, max_batch_tokens: int = 32) -> dict[str, list[int]]:
+def prompts() -> list[list[int]]:
+    """The prompts, of ``PROMPT_LENGTHS`` tokens each."""
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def configs(interval: int = 8, max_batch_tokens: int = 32) -> tuple[Any, Any]:
+    """The greedy generation config and the engine's config (query padding ``interval``)."""
     gen = transformers.GenerationConfig(
         max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
     )
@@ -62,7 +67,12 @@ def generate(model: Any, interval: int = 8, max_batch_tokens: int = 32) -> dict[
         num_blocks=32, block_size=16, max_batch_tokens=max_batch_tokens,
         q_padding_interval_size=interval, use_async_batching=False, use_cuda_graph=False,
     )  # fmt: skip
-    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+    return gen, cb
+
+
+def generate(model: Any, interval: int = 8, max_batch_tokens: int = 32) -> dict[str, list[int]]:
+    gen, cb = configs(interval, max_batch_tokens)
+    out = model.generate_batch(prompts(), generation_config=gen, continuous_batching_config=cb)
     return {rid: list(o.generated_tokens) for rid, o in out.items()}
 
 

@@ -7,7 +7,8 @@ random weights, greedy, float32):
   again, its batches count on (and follow the settings of) the new handle; while the model is
   not enabled they run transformers' code; a removed handle's stats no longer change.
 
-As in ``test_cpu_continuous_batching.py``, only the engine's free-memory query is stubbed.
+The model, prompts, configs and the one stub (the engine's free-memory query) are those of
+``test_cpu_continuous_batching.py``.
 """
 
 from __future__ import annotations
@@ -16,63 +17,30 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 import bcg_core
 
 transformers = pytest.importorskip(
     "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
 )
-from transformers.generation.continuous_batching.cache import (  # noqa: E402
-    PagedAttentionMemoryHandler,
+from test_cpu_continuous_batching import (  # noqa: E402
+    NEW_TOKENS,
+    PROMPT_LENGTHS,
+    _cpu_memory,  # noqa: F401, PLC2701 (the autouse fixture: the free-memory query)
+    configs,
+    make_model,
+    prompts,
 )
+from test_cpu_continuous_batching import generate as generate_by_id  # noqa: E402
 from transformers.generation.continuous_batching.input_outputs import (  # noqa: E402
     ContinuousBatchingIOs,
 )
 
-PROMPT_LENGTHS = (5, 17, 9, 30, 3, 12)
-NEW_TOKENS = 10
-
-
-@pytest.fixture(autouse=True)
-def _cpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Only the free-memory query: on a CPU it reports 0 bytes, and the cache refuses to exist.
-    monkeypatch.setattr(PagedAttentionMemoryHandler, "get_available_memory", lambda self: 1 << 30)
-
-
-def make_model() -> Any:
-    """A tiny Llama (random weights, float32, sdpa) on the CPU."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.set_attn_implementation("sdpa")
-    return model
-
-
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-
-
-def configs() -> tuple[Any, Any]:
-    gen = transformers.GenerationConfig(
-        max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    cb = transformers.ContinuousBatchingConfig(
-        num_blocks=32, block_size=16, max_batch_tokens=32, q_padding_interval_size=8,
-        use_async_batching=False, use_cuda_graph=False,
-    )  # fmt: skip
-    return gen, cb
-
 
 def generate(model: Any) -> list[list[int]]:
     """``generate_batch``'s greedy tokens, in prompt order."""
-    gen, cb = configs()
-    out = model.generate_batch(prompts(), generation_config=gen, continuous_batching_config=cb)
-    return [list(out[rid].generated_tokens) for rid in sorted(out, key=_index)]
+    out = generate_by_id(model)
+    return [out[rid] for rid in sorted(out, key=_index)]
 
 
 def _index(request_id: str) -> int:
