@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import math
 from typing import Any
 
 import torch
@@ -131,7 +130,7 @@ def _flat_spec(n_args: int, names: tuple[str, ...], tensors: tuple[bool, ...]) -
 def _const_kind(leaf: Any) -> str:
     """A constant's type name; ``-0.0`` is its own kind (it equals ``0.0`` and hashes alike,
     but ``x / -0.0`` is not ``x / 0.0``)."""
-    if type(leaf) is float and not leaf and math.copysign(1.0, leaf) < 0:
+    if _trees.is_negative_zero(leaf):
         return "negative-zero float"
     return type(leaf).__name__
 

@@ -216,8 +216,14 @@ def same_value(got: Any, want: Any) -> bool:
     if got != got:
         return bool(want != want)
     if got == want:
-        return type(got) is not float or math.copysign(1.0, got) == math.copysign(1.0, want)
+        return is_negative_zero(got) == is_negative_zero(want)
     return False
+
+
+def is_negative_zero(x: Any) -> bool:
+    """Whether ``x`` is the float ``-0.0`` (equal to ``0.0`` and hashed alike, but ``y / -0.0``
+    is not ``y / 0.0``)."""
+    return type(x) is float and not x and math.copysign(1.0, x) < 0
 
 
 def tensor_leaves(obj: Any, *, into_objects: bool = True) -> list[torch.Tensor]:

@@ -139,14 +139,6 @@ class Bridge:
             for i, d in enumerate(x for x in leaves if isinstance(x, torch.Tensor))
         ]
         self._single = isinstance(output, torch.Tensor)
-        # The same object back again is the same output only when it cannot have changed: a
-        # tensor, a plain value, or a tuple of those. A list, dict or object returned again may
-        # hold other tensors (a metadata object whose fields the break rebinds).
-        self._same_if_identical = (
-            self._single
-            or type(output) in _trees.PLAIN_VALUES
-            or (type(output) is tuple and self._flat_items_plain(output))
-        )
         # Outputs whose memory at capture was an argument's: the code after the break reads it
         # as both, so a replay may not copy a fresh tensor there. Outputs sharing one storage
         # (a tensor returned twice): a replay must return one tensor for all of them again.
@@ -164,10 +156,14 @@ class Bridge:
             isinstance(x, torch.Tensor) or type(x) in _trees.PLAIN_VALUES for x in output
         ):
             self._flat = (type(output), tuple(isinstance(x, torch.Tensor) for x in output))
-
-    @staticmethod
-    def _flat_items_plain(items: tuple[Any, ...]) -> bool:
-        return all(isinstance(x, torch.Tensor) or type(x) in _trees.PLAIN_VALUES for x in items)
+        # The same object back again is the same output only when it cannot have changed: a
+        # tensor, a plain value, or a flat tuple of those. A list, dict or object returned
+        # again may hold other tensors (a metadata object whose fields the break rebinds).
+        self._same_if_identical = (
+            self._single
+            or type(output) in _trees.PLAIN_VALUES
+            or (self._flat is not None and self._flat[0] is tuple)
+        )
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:

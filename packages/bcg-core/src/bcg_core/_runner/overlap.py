@@ -67,10 +67,9 @@ class OverlapCheck:
             return None
         storages = [t.untyped_storage().data_ptr() for t in live]
         mine = {storages[i] for i in written}
-        shared = len(set(storages)) < len(storages) or not mine.isdisjoint(self._inside_storages)
-        if not shared:
-            return None  # the common case: every argument its own storage
-        members = [j for j, s in enumerate(storages) if s in mine]
+        members = [j for j, s in enumerate(storages) if s in mine]  # on a written storage
+        if len(members) == len(mine) and mine.isdisjoint(self._inside_storages):
+            return None  # the common case: each written argument alone on its storage
         key = tuple((live[j].data_ptr(), live[j].stride()) for j in members)
         if key == self._passed:
             return None

@@ -489,12 +489,7 @@ class BreakableGraphRunner:
                 fields differ from the nearest captured one).
         """
         with self._lock:
-            values: list[bool | int | float] = []
-            if self._lift is None:
-                call_args, call_kwargs = args, kwargs
-            else:
-                call_args, call_kwargs, values = self._lift(args, kwargs)
-            sig, live = signature_and_tensors(call_args, call_kwargs)
+            sig, live, values = self._signature_of(args, kwargs)
             entry = self._entries.get(sig)
             if entry is None:
                 why = describe_difference(sig, list(self._entries))
@@ -635,15 +630,22 @@ class BreakableGraphRunner:
         self._turn.record(current)
         return result
 
+    def _signature_of(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Signature, list[torch.Tensor], list[bool | int | float]]:
+        """A call's signature, its tensors in containers and its lifted numbers, as a call
+        computes them (``__call__`` does it inline: each frame before the launch delays it)."""
+        if self._lift is None:
+            return (*signature_and_tensors(args, kwargs), [])
+        call_args, call_kwargs, values = self._lift(args, kwargs)
+        return (*signature_and_tensors(call_args, call_kwargs), values)
+
     def _not_captured(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Signature, str] | None:
         """Why a call in a capture window that neither captured nor failed ran eagerly (for
         :meth:`capture_many`'s report); None when it was a replay of a captured signature."""
-        call_args, call_kwargs = (
-            (args, kwargs) if self._lift is None else self._lift(args, kwargs)[:2]
-        )
-        sig = signature_and_tensors(call_args, call_kwargs)[0]
+        sig = self._signature_of(args, kwargs)[0]
         if sig in self._entries:
             return None
         if self.disabled_reason is not None:
