@@ -6,7 +6,7 @@ failing replays (a break raising, or returning another shape or another plain va
 and in a runner, which then replay right again) and two threads capturing and replaying at
 once; after every cycle a long-lived graph, a graph sharing its pool and a runner still replay
 bitwise right. At the end the process is alive, and memory is flat: device memory allocated
-(and reserved, printed) on CUDA, live tensors on both backends.
+and reserved on CUDA, live tensors on both backends.
 
 The short form runs in CI (``BCG_STRESS_CYCLES`` unset: 240 cycles). The long form, on a GPU::
 
@@ -114,6 +114,7 @@ def _device_memory(device: str) -> tuple[int, int]:
     # without leaking. Cleared on both sides of the comparison; capture lanes keep the graphs'
     # own workspaces valid through a clear (check_long_lived replays right after).
     torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()  # what failed captures and reset graphs gave back is not reserved
     return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
 
@@ -295,4 +296,6 @@ def test_stress_capture_replay_reset_cycles(device: str, caplog: pytest.LogCaptu
     )
     assert tensors_after <= tensors_before + 8, "tensors leak across cycles"
     assert memory_after[0] <= memory_before[0] + 4 * mib, "device memory leaks across cycles"
+    # Lanes (one workspace each, as many as pools were alive at once) may still be made.
+    assert memory_after[1] <= memory_before[1] + 512 * mib, "failed captures keep their pools"
     cycles.check_long_lived(CYCLES)

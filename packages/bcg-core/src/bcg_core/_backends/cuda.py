@@ -19,6 +19,7 @@ from bcg_core._backends.cuda_graph import TorchGraph
 from bcg_core._backends.cuda_lanes import lease_lane, make_spare_lane
 from bcg_core._backends.cuda_pool import (
     CudaPool,
+    _routing_api,
     allocate_outside_pool,
     allocate_to_pool,
     count_pool_growth,
@@ -222,13 +223,20 @@ def _end_generator_capture() -> None:
 
 def _end_pool_routing(pool: Any) -> None:
     # torch's capture_end raises before it stops routing allocations to the pool when
-    # cudaStreamEndCapture fails; stop the device allocator's routing here. (The pinned-host
-    # allocator's routing cannot be stopped from Python: the pool moves to a fresh id.)
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end is None:
+    # cudaStreamEndCapture fails, and before it gives back the pool reference capture_begin
+    # took (nothing ever would: the pool could never be freed). End the device allocator's
+    # routing here and give that reference back. (The pinned-host allocator's routing cannot
+    # be stopped from Python: the pool moves to a fresh id.)
+    api = _routing_api()
+    if api is None:
         return
-    with contextlib.suppress(RuntimeError):  # torch already ended routing for this pool
-        end(torch.cuda.current_device(), pool_id(pool))
+    _, end, release = api
+    index, pid = torch.cuda.current_device(), pool_id(pool)
+    try:
+        end(index, pid)
+    except RuntimeError:  # torch already ended routing (and kept the reference for its graph)
+        return
+    release(index, pid)
 
 
 def _install_stream_hooks(observer: StreamObserver) -> Callable[[], None]:

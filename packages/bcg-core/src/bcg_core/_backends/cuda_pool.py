@@ -19,11 +19,6 @@ from bcg_core._backends.seam import pool_id
 logger = logging.getLogger("bcg_core")
 
 
-# Anchors of pool ids a failed capture may have left routed to (see CudaPool.renew).
-_retired_lock = threading.Lock()
-_retired: list[TorchGraph] = []
-
-
 class CudaPool:
     """A graph memory pool that stays valid while this object lives.
 
@@ -54,13 +49,17 @@ class CudaPool:
         pinned-host allocator, which Python cannot stop; every later capture into that id then
         fails ("beginAllocateToPool: already recording to mempool_id"). Graphs captured into the
         old id keep its memory (torch counts their use) and replay as before; later captures
-        through this object go to the new id. The old id stays anchored for the process's
-        lifetime (its memory is never returned): freeing a pool that an allocator still routes
-        to would leave it routing into freed memory, which crashed the H200 stress run.
+        through this object go to the new id. The old anchor is reset: once the old id's last
+        graph is reset too, its device memory goes back to the allocator (``empty_cache``, or
+        torch's own retry before an out-of-memory error). The device reference the failed
+        capture took was given back by ``_end_pool_routing``; the pinned-host allocator keeps
+        its own, so it never frees the pool it still routes to. (On the H200, 300 failed
+        captures kept 6.6 GiB reserved while old anchors were kept, 2 MiB once they were reset:
+        ``benchmarks/probe_failed_capture_memory.py``.)
         """
-        if self._anchor is not None:
-            with _retired_lock:
-                _retired.append(self._anchor)
+        old, self._anchor = self._anchor, None
+        if old is not None:
+            old.reset()
         self.id = torch.cuda.graph_pool_handle()
         anchor = self._anchor = TorchGraph()
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
