@@ -297,5 +297,5 @@ def test_stress_capture_replay_reset_cycles(device: str, caplog: pytest.LogCaptu
     assert tensors_after <= tensors_before + 8, "tensors leak across cycles"
     assert memory_after[0] <= memory_before[0] + 4 * mib, "device memory leaks across cycles"
     # Lanes (one workspace each, as many as pools were alive at once) may still be made.
-    assert memory_after[1] <= memory_before[1] + 512 * mib, "failed captures keep their pools"
+    assert memory_after[1] <= memory_before[1] + 256 * mib, "failed captures keep their pools"
     cycles.check_long_lived(CYCLES)
