@@ -29,6 +29,7 @@ from bcg_core import (
     BreakableCUDAGraphCapture,
     BreakableGraphRunner,
     BreakOutputError,
+    CaptureCheck,
     CaptureError,
     ReplayError,
     break_graph,
@@ -41,7 +42,6 @@ from bcg_core import (
 from bcg_core._backends import backend_for  # noqa: PLC2701
 from bcg_core._backends.cpu import CpuBackend, CpuStream  # noqa: PLC2701
 from bcg_core._capture.streams import hooks_installed  # noqa: PLC2701
-from bcg_core._diagnostics.check import CaptureReport  # noqa: PLC2701
 from bcg_core._errors import HostSyncError  # noqa: PLC2701
 from bcg_core.bench import ToyDecoder, tiny_config
 
@@ -612,7 +612,7 @@ def test_check_capture_reports_a_clean_capture(x: torch.Tensor) -> None:
         return h.sum().item() * h  # host sync inside a break: allowed
 
     report = check_capture(lambda t, scale: brk(t * scale) + 1, x, scale=2.0)
-    assert report == CaptureReport(ok=True, segments=2, breaks=1)
+    assert report == CaptureCheck(ok=True, segments=2, breaks=1)
     assert str(report) == "captures cleanly, 2 segments (1 breaks)"
     assert not is_breakable_capture_active()
 

@@ -22,7 +22,7 @@ from bcg_core._capture.flag import (
     is_in_breakable_cuda_graph,
 )
 from bcg_core._capture.graph import BreakableCUDAGraph
-from bcg_core._diagnostics.check import check_capture
+from bcg_core._diagnostics.check import CaptureCheck, check_capture
 from bcg_core._diagnostics.divergence import check_divergence
 from bcg_core._diagnostics.divergence_report import DivergenceReport, TensorDiff
 from bcg_core._errors import (
@@ -53,6 +53,7 @@ __all__ = [
     "BreakableCUDAGraphCapture",
     "BreakableGraphError",
     "BreakableGraphRunner",
+    "CaptureCheck",
     "CaptureError",
     "CaptureReport",
     "ConcurrentCaptureError",

@@ -44,14 +44,17 @@ _STRIDED = torch.strided
 
 
 def layout_key(t: torch.Tensor) -> tuple[int, ...] | None:
-    """The layout part of a tensor's key: None when its static buffer is row-major (it is
-    contiguous, or a slice of a row-major tensor), else the order of its dimensions by stride,
-    outermost first: the order ``clone`` keeps, so a graph captured on a transposed tensor
-    reads a transposed buffer and is not replayed for a row-major one (kernels walk them in
-    other orders: a sum differs in its last bits)."""
+    """The layout part of a tensor's key: None when its static buffer is row-major, else the
+    order of the buffer's dimensions by stride, outermost first. The buffer is ``clone``'s (or
+    ``empty_like``'s) layout, read from a meta tensor: the strides of a dense tensor, row-major
+    (or channels-last) for one with gaps or overlaps (a slice, an ``expand``ed tensor, whose
+    stride-0 dimension is not innermost in the buffer). So a graph captured on a transposed
+    tensor reads a transposed buffer and is not replayed for a row-major one (kernels walk them
+    in other orders: a sum differs in its last bits), and two inputs share a key only when
+    their buffers share a layout."""
     if t.is_contiguous():
         return None
-    strides = t.stride()
+    strides = torch.empty_like(t, device="meta").stride()
     dims = [d for d, n in enumerate(t.shape) if n != 1]
     order = sorted(dims, key=lambda d: -strides[d])  # stable: equal strides keep their order
     return None if order == dims else tuple(order)
@@ -106,7 +109,9 @@ def signature_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
 
     It holds the call's container structure and constants, each tensor's shape, dtype and
     device, the addresses of tensors inside object arguments, and every other object by
-    identity. Equal signatures can share one graph.
+    identity. Equal signatures can share one graph. (A runner with ``as_tensor`` keys the
+    numbers it lifts by their type alone, so for such a call this signature, which holds their
+    values, is not the runner's key.)
 
     Args:
         args: the call's positional arguments.

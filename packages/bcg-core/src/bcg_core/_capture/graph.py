@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import torch
 
+from bcg_core import _trees
 from bcg_core._backends import GraphBackend, Segment, backend_named
 from bcg_core._capture.bridges import Bridge
 from bcg_core._capture.context import active_capture, routed_warmup
@@ -300,6 +301,15 @@ class BreakableCUDAGraph:
     def break_names(self) -> tuple[str, ...]:
         """The name of each break step, in order."""
         return tuple(s.name for s in self._steps if isinstance(s, BreakStep))
+
+    def _break_argument_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the breaks receive at replay (aliases of the capture's), in step order;
+        tensors inside objects are not among them."""
+        found: list[torch.Tensor] = []
+        for step in self._steps:
+            if isinstance(step, BreakStep):
+                found.extend(_trees.tensor_leaves((step.args, step.kwargs), into_objects=False))
+        return tuple(found)
 
     def _bridge_tensors_outside_pool(self) -> tuple[torch.Tensor, ...]:
         """The tensors the bridges hold strongly: outputs that do not lie in the pool."""

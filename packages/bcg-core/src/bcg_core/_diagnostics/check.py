@@ -13,7 +13,7 @@ from bcg_core._errors import BreakableGraphError, HostSyncError
 
 
 @dataclass(frozen=True)
-class CaptureReport:
+class CaptureCheck:
     """The outcome of :func:`check_capture`.
 
     ``ok`` is True when the capture succeeded; ``segments`` and ``breaks`` are then the graph's
@@ -42,7 +42,7 @@ class CaptureReport:
         return f"capture failed: {self.error}"
 
 
-def check_capture(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> CaptureReport:
+def check_capture(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> CaptureCheck:
     """Capture ``fn(*args, **kwargs)`` once with the CPU graph backend and report the outcome.
 
     The call runs under :func:`enable_breakable_cuda_graph` inside a capture into
@@ -61,7 +61,7 @@ def check_capture(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Captu
         **kwargs: keyword arguments for ``fn``.
 
     Returns:
-        A ``CaptureReport``: ``ok``, the segment and break counts, and on failure the error
+        A ``CaptureCheck``: ``ok``, the segment and break counts, and on failure the error
         message, the host-sync operation and its source line; ``str()`` of it is one line.
 
     Raises:
@@ -77,11 +77,11 @@ def check_capture(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Captu
             failure = exc
     try:
         if failure is None:
-            return CaptureReport(ok=True, segments=graph.num_segments, breaks=graph.num_breaks)
+            return CaptureCheck(ok=True, segments=graph.num_segments, breaks=graph.num_breaks)
         notes = getattr(failure, "__notes__", ())
         error = "; ".join([str(failure), *notes])
         if isinstance(failure, HostSyncError):
-            return CaptureReport(False, 0, 0, error, failure.op, failure.location)
-        return CaptureReport(False, 0, 0, error)
+            return CaptureCheck(False, 0, 0, error, failure.op, failure.location)
+        return CaptureCheck(False, 0, 0, error)
     finally:
         graph.reset()

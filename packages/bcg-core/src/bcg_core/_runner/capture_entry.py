@@ -103,6 +103,17 @@ def capture_entry(
     written = tuple(
         i for i, t in enumerate(statics) if t._version != versions[i] and t.shape == live[i].shape
     )
+    # The other buffers a break receives: it may write one at a replay (see Entry.watched).
+    others = {
+        ptr: i
+        for i, t in enumerate(statics)
+        if i not in written and (ptr := t.untyped_storage().data_ptr())
+    }
+    watched = tuple(
+        (t, others[ptr])
+        for t in graph._break_argument_tensors()
+        if (ptr := t.untyped_storage().data_ptr()) in others
+    )
     return Entry(
         graph=graph,
         statics=statics,
@@ -120,6 +131,7 @@ def capture_entry(
         passed=frozenset(_trees.object_ids(call) & _trees.object_ids(output)),
         written=written,
         overlap=OverlapCheck(written, object_tensors(*lifted)),
+        watched=watched,
     )
 
 

@@ -46,8 +46,12 @@ class Entry:
     would synchronise the stream. The buffers at the positions in ``written`` are the arguments
     the graph writes in place (their version counters moved during the capture): after each
     replay they are copied back into the caller's tensors (:meth:`store`), so an in-place update
-    is never lost. ``inference`` is whether the capture ran in inference mode: replays run in
-    the same mode. ``passed``: the ids of objects (dataclasses, plain objects: a cache) that
+    is never lost. ``watched`` pairs the tensors a break receives at replay with the index of
+    the other buffer they lie in: a break may write an argument at a replay that it did not
+    write at capture (it re-reads host state), and a replay bumps no version counter but a
+    break's, so a moved one is copied back too (:meth:`store`). ``inference`` is whether the
+    capture ran in inference mode: replays run in the same mode.
+    ``passed``: the ids of objects (dataclasses, plain objects: a cache) that
     the call passed in and the output holds; a clone of the output returns them as themselves.
     ``overlap`` tells the calls whose written argument shares memory with another (they run
     eagerly). ``output`` never requires grad (detached at capture): a replay serves
@@ -68,6 +72,7 @@ class Entry:
     inference: bool = False
     passed: frozenset[int] = frozenset()
     overlap: OverlapCheck = field(default_factory=lambda: OverlapCheck((), []))
+    watched: tuple[tuple[torch.Tensor, int], ...] = ()
     replays: int = 0
     warmup_ms: float = 0.0
     _copy: tuple[int, ...] = field(init=False)
@@ -111,8 +116,18 @@ class Entry:
         for buf, value in zip(self.scalars, values, strict=True):
             buf.fill_(value)
 
-    def store(self, live: list[torch.Tensor]) -> None:
-        """Copy the buffers the graph wrote back into the caller's tensors."""
-        if self.written:
+    def watched_versions(self) -> list[int]:
+        """The version counters of the :attr:`watched` tensors, taken before a replay."""
+        return [t._version for t, _ in self.watched]
+
+    def store(self, live: list[torch.Tensor], versions: list[int] | None = None) -> None:
+        """Copy the buffers the graph wrote back into the caller's tensors: the ``written``
+        ones, and the watched ones a break wrote since ``versions`` were taken."""
+        copied = self.written
+        if versions is not None:
+            moved = {i for (t, i), v in zip(self.watched, versions, strict=True) if t._version != v}
+            if moved:
+                copied = tuple(sorted(moved.union(copied)))
+        if copied:
             statics = self.statics
-            copy_unless_same([live[i] for i in self.written], [statics[i] for i in self.written])
+            copy_unless_same([live[i] for i in copied], [statics[i] for i in copied])

@@ -92,10 +92,12 @@ class BreakableGraphRunner:
     buffer at every call; when the captured step writes that buffer in place (its version
     counter moved during capture: a KV cache update, a position advanced with ``add_``), the
     buffer is copied back into the caller's tensor after every replay (and after the capture),
-    so the caller sees what eager would have left there. Tensors inside objects are used in
+    so the caller sees what eager would have left there; so is a buffer that a break writes at a
+    replay though it did not at capture, and what ran before a replay raised. Writes that bump
+    no version counter (through ``.data``) are not seen. Tensors inside objects are used in
     place (keyed by address), never copied. A call where an argument the graph writes shares
-    memory with another argument runs eagerly (a miss, warned once): separate buffers would
-    not see the write through the other.
+    memory with another argument runs eagerly (a miss, warned once): separate buffers would not
+    see the write through the other.
 
     **Inference.** Outputs of a replay (and of a capture) carry no autograd history; a graph
     replays in the inference mode it was captured in, and its output is cloned in the
@@ -499,14 +501,19 @@ class BreakableGraphRunner:
                 entry.load(live, values)
                 return entry.static_call
 
-            # Ordered with the pool's replays on other streams, as a call is.
+            # Ordered with the pool's replays on other streams, as a call is; in the capture's
+            # inference mode, as a replay is; a break calling this runner runs eagerly, as in
+            # a replay (replaying the graph inside its own check would overwrite its buffers).
             stream = self._graph_backend.current_stream(self._stream_device)
             self._turn.wait(stream)
+            self._busy = True
             try:
-                return runner_divergence(
-                    self.module, entry.graph, entry.output, load, self.replay_context
-                )
+                with _capture_mode(entry.inference):
+                    return runner_divergence(
+                        self.module, entry.graph, entry.output, load, self.replay_context
+                    )
             finally:
+                self._busy = False
                 self._turn.record(stream)
 
     @property
@@ -717,20 +724,33 @@ class BreakableGraphRunner:
             if torch.is_inference_mode_enabled() is entry.inference
             else _capture_mode(entry.inference)
         )
+        versions: list[int] | None = None
+        launched = False
         try:
-            if mode is not None:
-                mode.__enter__()
             try:
-                entry.load(live, values)
-                if self.replay_context is None:
-                    entry.graph.replay()
-                else:
-                    with self.replay_context():
-                        entry.graph.replay()
-            finally:
                 if mode is not None:
-                    mode.__exit__(None, None, None)
-            entry.store(live)
+                    mode.__enter__()
+                try:
+                    entry.load(live, values)
+                    if entry.watched:
+                        versions = entry.watched_versions()
+                    launched = True
+                    if self.replay_context is None:
+                        entry.graph.replay()
+                    else:
+                        with self.replay_context():
+                            entry.graph.replay()
+                finally:
+                    if mode is not None:
+                        mode.__exit__(None, None, None)
+            except BaseException:
+                # The steps that ran wrote what eager would have left in the arguments (not
+                # after a load that raised: the buffers then hold another call's values).
+                if launched:
+                    with contextlib.suppress(Exception):
+                        entry.store(live, versions)
+                raise
+            entry.store(live, versions)
             out = entry.output if self.return_views else entry.clone()
         finally:
             self._busy = False

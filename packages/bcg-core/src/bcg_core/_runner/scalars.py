@@ -37,6 +37,8 @@ def _number_kind(value: Any) -> type | None:
 def _positions(fn: Callable[..., Any]) -> dict[str, int]:
     """The position of each parameter of ``fn`` that can be passed positionally (a module's
     ``forward``); empty when its signature cannot be read."""
+    # torch.compile's wrapper of a module declares (*args, **kwargs): read the module's own.
+    fn = getattr(fn, "_orig_mod", fn)
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     try:
         params = inspect.signature(target).parameters.values()
