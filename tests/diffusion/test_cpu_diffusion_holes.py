@@ -248,3 +248,94 @@ def test_return_dict_is_looked_up_through_wrappers(
         assert runner.stats.hits == 3 and runner.stats.misses == 0
     finally:
         runner.close()
+
+
+def test_capture_many_does_not_report_a_replayed_return_dict_call_as_failed() -> None:
+    # The report looked the call up with return_dict still in it, a signature DiTRunner never
+    # keys by: a replay (and the second copy of a call) was listed as failed.
+    model, _, latents = sd3_model()
+    gen = torch.Generator().manual_seed(3)
+    call = {
+        "hidden_states": latents,
+        "timestep": torch.tensor([500.0]),
+        "encoder_hidden_states": torch.randn(1, 8, 32, generator=gen),
+        "pooled_projections": torch.randn(1, 32, generator=gen),
+        "return_dict": False,
+    }
+    with torch.no_grad():
+        runner = DiTRunner(
+            model, breakable_attention=make_attention_ops_breakable(model), device="cpu"
+        )
+        try:
+            report = runner.capture_many([((), call), ((), call)])
+            assert len(report.captured) == 1 and report.failed == ()
+            assert runner.capture_many([((), call)]).failed == ()
+            assert runner.stats.hits == 2
+            want = model(**call)[0]
+            assert torch.equal(runner(**call)[0], want)
+        finally:
+            runner.close()
+
+
+class _Attn(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.softmax(-1)
+
+
+def test_a_removed_handle_leaves_a_later_install_alone() -> None:
+    first = install_breakable_attention(_Attn)
+    first.remove()
+    second = install_breakable_attention(_Attn)
+    try:
+        assert not first.active and second.active
+        first.remove()  # removing twice is harmless: the later install stays
+        assert second.active and is_breakable_attention_installed(_Attn)
+    finally:
+        second.remove()
+    assert not is_breakable_attention_installed(_Attn)
+
+
+def test_an_install_that_fails_on_one_class_installs_none() -> None:
+    class Ok(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    # A class whose __call__ cannot be set (a builtin type) passes the up-front check.
+    with pytest.raises(TypeError) as err:
+        install_breakable_attention(Ok, functools.partial)
+    assert "installed nothing" in "".join(getattr(err.value, "__notes__", []))
+    assert not is_breakable_attention_installed(Ok)
+    assert not _adapted(Ok, "forward")
+    with install_breakable_attention(Ok):
+        assert is_breakable_attention_installed(Ok)
+
+
+def test_a_subclass_inheriting_an_adapted_method_is_reported_installed() -> None:
+    class Base(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    class Sub(Base):
+        pass
+
+    class Own(Base):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1
+
+    with install_breakable_attention(Base):
+        assert is_breakable_attention_installed(Sub)
+        assert not is_breakable_attention_installed(Own)
+    assert not is_breakable_attention_installed(Sub)
+
+
+def test_attention_classes_given_one_class_says_to_pass_a_tuple() -> None:
+    model, _, _ = sd3_model()
+    handle = make_attention_ops_breakable(model)
+    with pytest.raises(TypeError, match=r"tuple of classes, e\.g\. attention_classes=\(_Attn,\)"):
+        DiTRunner(
+            model,
+            attention_classes=_Attn,  # type: ignore[arg-type]
+            breakable_attention=handle,
+            device="cpu",
+        )
+    assert not handle.active  # the runner owned it, and released it

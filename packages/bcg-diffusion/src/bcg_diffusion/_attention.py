@@ -53,25 +53,38 @@ class AttentionPatch(PatchHandle):
     """Handle returned by :func:`install_breakable_attention`.
 
     :meth:`remove` undoes the install (so does leaving a ``with`` block); removing twice is
-    harmless.
+    harmless. A handle acts on the install it was returned for: once that install is gone
+    (removed, or uninstalled), a later install of the same class is another one, which this
+    handle neither reports nor removes.
 
     Args:
         classes: the classes the install adapted.
+        installs: the install (the reference in the registry) of each class, in order.
     """
 
-    def __init__(self, classes: tuple[type, ...]) -> None:
+    def __init__(self, classes: tuple[type, ...], installs: tuple[PatchHandle, ...]) -> None:
         super().__init__([], tuple(f"{c.__qualname__}.{attention_method(c)}" for c in classes))
         self.classes = classes
+        self._installs = installs
 
     @property
     def active(self) -> bool:
         """Whether the install still holds its patch on any of its classes."""
         with _lock:
-            return any(c in _installed for c in self.classes)
+            return any(
+                _installed.get(c) is h for c, h in zip(self.classes, self._installs, strict=True)
+            )
 
     def remove(self) -> None:
-        """Uninstall the patch from every class, as :func:`uninstall_breakable_attention` does."""
-        uninstall_breakable_attention(*self.classes)
+        """Uninstall this install's patch from every class, as
+        :func:`uninstall_breakable_attention` does."""
+        with _lock:
+            mine = [
+                c
+                for c, h in zip(self.classes, self._installs, strict=True)
+                if _installed.get(c) is h
+            ]
+        uninstall_breakable_attention(*mine)
 
 
 def attention_method(cls: type) -> str:
@@ -141,10 +154,18 @@ def install_breakable_attention(*classes: type) -> AttentionPatch:
     for cls in classes:
         attention_method(cls)
     with _lock:
-        for cls in classes:
-            if cls not in _installed:
-                _installed[cls] = patch_attention_classes(cls)
-    return AttentionPatch(classes)
+        made: dict[type, PatchHandle] = {}
+        try:
+            for cls in classes:
+                if cls not in _installed and cls not in made:
+                    made[cls] = patch_attention_classes(cls)
+        except BaseException as exc:
+            for handle in made.values():  # all or nothing
+                handle.remove()
+            exc.add_note(f"bcg: install_breakable_attention installed nothing ({cls!r} failed)")
+            raise
+        _installed.update(made)
+        return AttentionPatch(classes, tuple(_installed[cls] for cls in classes))
 
 
 def uninstall_breakable_attention(*classes: type) -> None:
@@ -174,4 +195,7 @@ def is_breakable_attention_installed(cls: type) -> bool:
     Raises:
         TypeError: ``cls`` is not a class with a ``forward`` or ``__call__`` method.
     """
-    return PatchHandle.count(cls, attention_method(cls)) > 0
+    method = attention_method(cls)
+    # The class that defines the method this class runs (a subclass inherits a patched one).
+    owner = next((k for k in cls.__mro__ if method in vars(k)), cls)
+    return PatchHandle.count(owner, method) > 0

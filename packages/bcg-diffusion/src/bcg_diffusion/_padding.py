@@ -30,7 +30,7 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
     """
     ordered = sorted(buckets)
     if not ordered or any(b < 1 for b in ordered):
-        raise ValueError(f"buckets must be positive lengths, got {list(buckets)}")
+        raise ValueError(f"buckets must be positive lengths, got {ordered}")
     i = bisect.bisect_left(ordered, length)
     if i == len(ordered):
         raise ValueError(

@@ -68,6 +68,11 @@ class DiTRunner(BreakableGraphRunner):
                 f"returns, got {breakable_attention!r}"
             )
         try:
+            if isinstance(attention_classes, type):
+                raise TypeError(
+                    "attention_classes takes a tuple of classes, e.g. "
+                    f"attention_classes=({attention_classes.__qualname__},); got the class itself"
+                )
             # The class itself: making one runs no Python code (replay_token_scope() would).
             runner_options.setdefault("replay_context", ReplayTokenScope)
             super().__init__(model, **runner_options)

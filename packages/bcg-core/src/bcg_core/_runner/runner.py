@@ -351,7 +351,8 @@ class BreakableGraphRunner:
         with self.warmup(), capture_progress(len(checked), progress) as advance:
             for args, kwargs in checked:
                 with self._lock:
-                    before = (self._counts["captures"], self._counts["failed"])
+                    c = self._counts
+                    before = (c["captures"], c["failed"], c["hits"])
                     self._discard_outputs = True
                     try:
                         self(*args, **kwargs)
@@ -363,10 +364,10 @@ class BreakableGraphRunner:
                     elif self._counts["failed"] > before[1]:
                         assert self._last_failure is not None  # what _capture_failed counted
                         failed.append(self._last_failure)
-                    else:
-                        eager = self._not_captured(args, kwargs)
-                        if eager is not None:
-                            failed.append(eager)
+                    elif self._counts["hits"] == before[2]:  # not a replay of a captured call
+                        # (Counted, not looked up: a subclass may take a keyword out of the
+                        # signature, as DiTRunner does return_dict.)
+                        failed.append(self._not_captured(args, kwargs))
                 advance(call_shapes(args, kwargs))
         seconds = time.perf_counter() - started
         if self._counts["evictions"] > evictions:
@@ -647,14 +648,10 @@ class BreakableGraphRunner:
         call_args, call_kwargs, values = self._lift(args, kwargs)
         return (*signature_and_tensors(call_args, call_kwargs), values)
 
-    def _not_captured(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Signature, str] | None:
-        """Why a call in a capture window that neither captured nor failed ran eagerly (for
-        :meth:`capture_many`'s report); None when it was a replay of a captured signature."""
+    def _not_captured(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Signature, str]:
+        """Why a call in a capture window that neither captured, failed nor replayed ran
+        eagerly (for :meth:`capture_many`'s report)."""
         sig = self._signature_of(args, kwargs)[0]
-        if sig in self._entries:
-            return None
         if self.disabled_reason is not None:
             why = f"the runner is disabled: {self.disabled_reason}"
         elif breakable_graphs_disabled():
