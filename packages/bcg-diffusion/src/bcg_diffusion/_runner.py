@@ -68,10 +68,11 @@ class DiTRunner(BreakableGraphRunner):
                 f"returns, got {breakable_attention!r}"
             )
         try:
-            if isinstance(attention_classes, type):
+            given: object = attention_classes  # typed as a tuple; callers pass one class too
+            if isinstance(given, type):
                 raise TypeError(
                     "attention_classes takes a tuple of classes, e.g. "
-                    f"attention_classes=({attention_classes.__qualname__},); got the class itself"
+                    f"attention_classes=({given.__qualname__},); got the class itself"
                 )
             # The class itself: making one runs no Python code (replay_token_scope() would).
             runner_options.setdefault("replay_context", ReplayTokenScope)
