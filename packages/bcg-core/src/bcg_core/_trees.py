@@ -36,6 +36,7 @@ import dataclasses
 import enum
 import functools
 import math
+import numbers
 import types
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
@@ -206,6 +207,26 @@ def _flatten(obj: Any, leaves: list[Any], active: set[int]) -> TreeSpec:
 # The plain values whose change after a capture or a trace is judged (``same_value``): what code
 # after a break computes with. Objects and symbolic numbers are not judged.
 PLAIN_VALUES = (type(None), bool, int, float, str)
+# Leaves judged as plain values too, though not of those exact types: numbers of any kind
+# (numpy scalars, complex, int enums), enums, dtypes, devices, bytes, slices, ranges. Symbolic
+# numbers are not numbers.Number.
+_JUDGED = (
+    numbers.Number,
+    enum.Enum,
+    bytes,
+    slice,
+    range,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+
+
+def is_plain_value(x: Any) -> bool:
+    """Whether a leaf is a value whose change later code would miss (see ``same_value``):
+    one of ``PLAIN_VALUES`` or of the other value types above."""
+    return type(x) in PLAIN_VALUES or isinstance(x, _JUDGED)
 
 
 def same_value(got: Any, want: Any) -> bool:

@@ -76,8 +76,7 @@ class AttentionPatch(PatchHandle):
             )
 
     def remove(self) -> None:
-        """Uninstall this install's patch from every class, as
-        :func:`uninstall_breakable_attention` does."""
+        """Uninstall this install's patch from every class (a later install stays)."""
         with _lock:
             mine = [
                 c

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from bcg_core import _trees
+from bcg_core._errors import CaptureError
 
 
 def alias_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -58,3 +59,37 @@ def alias_tree(obj: Any, device_types: frozenset[str], device_type: str) -> Any:
         return t
 
     return _trees.map_tensors(obj, leaf, into_objects=False)
+
+
+# A tensor argument's layout as a break received it: sizes, strides, offset, storage address.
+_ArgumentLayout = tuple[torch.Size, tuple[int, ...], Any, int]  # offset: an int, or a SymInt
+
+
+def argument_layouts(arguments: Any) -> list[_ArgumentLayout]:
+    """The layout of each tensor in a break's arguments (not inside objects), in walk order."""
+    return [
+        (t.shape, t.stride(), t.storage_offset(), t.untyped_storage().data_ptr())
+        for t in _trees.tensor_leaves(arguments, into_objects=False)
+    ]
+
+
+def refuse_changed_arguments(name: str, before: list[_ArgumentLayout], arguments: Any) -> None:
+    """Raise :class:`CaptureError` when a break changed a tensor argument's layout in place
+    (``t_()``, ``unsqueeze_()``, ``resize_()``, ``set_()``): every replay passes the arguments
+    as they were after this call, so the change would be made again on a changed tensor (a
+    replay of ``h.t_()`` computes with ``h`` untransposed). Filling an empty tensor (an
+    ``out=`` buffer resized once) repeats harmlessly and is allowed. A container argument that
+    changed (items added or removed) is not judged: a replay passes it as it is now."""
+    tensors = _trees.tensor_leaves(arguments, into_objects=False)
+    if len(tensors) != len(before):
+        return
+    for t, (shape, stride, offset, storage) in zip(tensors, before, strict=True):
+        now = (t.shape, t.stride(), t.storage_offset(), t.untyped_storage().data_ptr())
+        if now != (shape, stride, offset, storage) and shape.numel() != 0:
+            raise CaptureError(
+                f"break {name!r} changed the layout of a tensor argument in place (sizes "
+                f"{tuple(shape)} strides {stride} became {tuple(t.shape)} {t.stride()}: t_(), "
+                "unsqueeze_(), resize_() or set_()); every replay would change it again, so "
+                "it would not compute what eager computes. Return a new view instead (h.t(), "
+                "h.unsqueeze(0)), or change the tensor before passing it to the break."
+            )

@@ -17,10 +17,10 @@ objects, registered pytree types). At replay the fresh output must have the capt
 structure (types, dict keys, field names, lengths; tensors where tensors were): dicts are
 matched by key, never by position, and any other difference raises :class:`BreakOutputError`
 naming the break and the difference. Non-tensor values are part of the capture: later Python
-code saw the capture-time value, so a ``None``, bool, number or string returned directly in the
-structure (not inside a dataclass or plain object, whose other state bcg cannot judge) must come
-back equal at every replay, or the replay raises :class:`BreakOutputError` instead of returning
-what the capture-time value computed.
+code saw the capture-time value, so a ``None``, bool, number (numpy's too), string, enum,
+dtype or device returned directly in the structure (not inside a dataclass or plain object,
+whose other state bcg cannot judge) must come back equal at every replay, or the replay raises
+:class:`BreakOutputError` instead of returning what the capture-time value computed.
 """
 
 from __future__ import annotations
@@ -141,13 +141,15 @@ class Bridge:
         self._single = isinstance(output, torch.Tensor)
         # Outputs whose memory at capture was an argument's: the code after the break reads it
         # as both, so a replay may not copy a fresh tensor there. Outputs sharing one storage
-        # (a tensor returned twice): a replay must return one tensor for all of them again.
+        # (a tensor returned twice, views of one another): a replay must return them on one
+        # storage, at the same offsets and strides, again (copying separate tensors into
+        # overlapping bridges would overwrite one with the other).
         self._pinned, self._twins = _shared_memory(self._meta, arguments)
         # The plain values later code saw (leaf index, value): a replay must return them again.
         self._frozen = tuple(
             (i, x)
             for i, (x, inside) in enumerate(zip(leaves, _trees.in_object(self._spec), strict=True))
-            if type(x) in _trees.PLAIN_VALUES and not inside
+            if _trees.is_plain_value(x) and not inside
         )
         # A flat tuple or list (transformers' attention returns ``(out, None)``) is matched by
         # position, without flattening: its type and which positions hold tensors, read once.
@@ -216,9 +218,8 @@ class Bridge:
                 d.copy_(one)
             return
         for group in self._twins:
-            first = src[group[0]]
-            if any(not _same_memory(first, src[j]) for j in group[1:]):
-                self._refuse(group[1])
+            if not _same_relation(src, group):
+                self._refuse(group[0][1])
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         for i, ((d, shape, dtype, ptr, repeated), t) in enumerate(zip(meta, src, strict=True)):
@@ -337,10 +338,10 @@ class Bridge:
         raise BreakOutputError(
             f"break {self._name!r}: {self._tensor_paths()[i]} was, at capture, memory the "
             "break shared with one of its arguments or another of its outputs (it returned an "
-            "argument, or one tensor twice), and at replay it is another tensor; the code "
-            "after the break reads that memory for both, so copying it there would overwrite "
-            "the other. Return the same kind of result every call: a new tensor (y.clone() "
-            "where nothing changes), or the argument, written in place."
+            "argument, one tensor twice, or views of one tensor), and at replay it is another "
+            "tensor; the code after the break reads that memory for both, so copying it there "
+            "would overwrite the other. Return the same kind of result every call: a new "
+            "tensor (y.clone() where nothing changes), or the argument, written in place."
         )
 
     def _check(self, d: torch.Tensor, s: torch.Tensor, where: str) -> None:
@@ -351,21 +352,45 @@ class Bridge:
             )
 
 
-def _shared_memory(
-    meta: list[Any], arguments: Any
-) -> tuple[frozenset[int], tuple[tuple[int, ...], ...]]:
-    """Indices of output tensors on an argument's storage, and groups of output tensors that
-    are one tensor (same address and strides)."""
+# A group of outputs on one storage: their indices, and each one's (offset in bytes from the
+# first one's address, strides).
+_Group = tuple[tuple[int, ...], tuple[tuple[int, tuple[int, ...]], ...]]
+
+
+def _shared_memory(meta: list[Any], arguments: Any) -> tuple[frozenset[int], tuple[_Group, ...]]:
+    """Indices of output tensors on an argument's storage, and groups of output tensors on one
+    storage (one tensor returned twice, or views of one another: ``(y, y[1:])``)."""
     taken = {
         t.untyped_storage().data_ptr()
         for t in _trees.flatten(arguments)[0]
         if isinstance(t, torch.Tensor) and t.device.type != "meta"
     }
     pinned = frozenset(i for i, m in enumerate(meta) if m[0].untyped_storage().data_ptr() in taken)
-    groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    by_storage: dict[int, list[int]] = {}
     for i, m in enumerate(meta):
-        groups.setdefault((m[0].data_ptr(), m[0].stride()), []).append(i)
-    return pinned, tuple(tuple(g) for g in groups.values() if len(g) > 1)
+        ptr = m[0].untyped_storage().data_ptr()
+        if ptr:  # an empty storage shares nothing
+            by_storage.setdefault(ptr, []).append(i)
+    groups = []
+    for members in by_storage.values():
+        if len(members) > 1:
+            base = meta[members[0]][0].data_ptr()
+            layout = tuple((meta[i][0].data_ptr() - base, meta[i][0].stride()) for i in members)
+            groups.append((tuple(members), layout))
+    return pinned, tuple(groups)
+
+
+def _same_relation(src: list[torch.Tensor], group: _Group) -> bool:
+    """Whether the fresh tensors of a group lie on one storage as the capture's did."""
+    members, layout = group
+    first = src[members[0]]
+    storage, base = first.untyped_storage().data_ptr(), first.data_ptr()
+    return all(
+        src[i].untyped_storage().data_ptr() == storage
+        and src[i].data_ptr() - base == offset
+        and src[i].stride() == strides
+        for i, (offset, strides) in zip(members, layout, strict=True)
+    )
 
 
 def _first(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from bcg_core._backends import CaptureStatus, GraphBackend, Segment
 from bcg_core._capture import owned
-from bcg_core._capture.aliases import alias_tree
+from bcg_core._capture.aliases import alias_tree, argument_layouts, refuse_changed_arguments
 from bcg_core._capture.bridges import Bridge, contains_device_tensor, copy_into_pool
 from bcg_core._capture.compiles import as_capture_error, compiles_refused
 from bcg_core._capture.context import (
@@ -29,6 +29,7 @@ from bcg_core._capture.flag import breakable_graphs_disabled, disabled_reason
 from bcg_core._capture.fresh import FreshTensorTracker
 from bcg_core._capture.gc_pause import gc_paused
 from bcg_core._capture.graph import BreakableCUDAGraph, BreakStep, SegmentStep, Step
+from bcg_core._capture.modes import current_modes
 from bcg_core._capture.streams import StreamTracker, stream_hooks
 from bcg_core._errors import (
     BreakOutputError,
@@ -185,6 +186,9 @@ class CaptureState:
         pooling = bool(self.backend.alias_device_types)
         debugging = self.debug is not DebugLevel.OFF
         given = argument_tensors((args, kwargs)) if debugging else []
+        layouts = argument_layouts((args, kwargs))
+        modes = current_modes()  # what the code around the break set up (autocast, inference)
+        raised = False
         try:
             # The break allocates outside the pool: its temporaries are not graph memory (a
             # replay allocates them outside too). The outputs nothing else holds are copied
@@ -197,9 +201,19 @@ class CaptureState:
                         output = (stub if stub is not None else fn)(*args, **kwargs)
                 else:
                     output = (stub if stub is not None else fn)(*args, **kwargs)
+        except BaseException:
+            raised = True
+            raise
         finally:
             side_streams = self.tracker.end_break()
             self.in_break = False
+            if raised:
+                # The caller may catch the break's error and go on (a fallback path): what it
+                # runs is captured in a new segment, as after a break that returned.
+                for side in side_streams:
+                    self.stream.wait_stream(side)
+                self.begin_segment()
+        refuse_changed_arguments(name, layouts, (args, kwargs))
         made = None
         if pooling:  # read first, with the output held by the box alone (owned.sole_owned)
             box = [output]
@@ -240,6 +254,7 @@ class CaptureState:
                 bridge=bridge,
                 side_streams=side_streams,
                 backend=self.backend,
+                modes=modes,
             )
         )
         self.begin_segment()

@@ -16,6 +16,7 @@ from bcg_core import _trees
 from bcg_core._backends import GraphBackend, Segment, backend_named
 from bcg_core._capture.bridges import Bridge
 from bcg_core._capture.context import active_capture, routed_warmup
+from bcg_core._capture.modes import Modes, current_modes, run_in
 from bcg_core._capture.profile import named, profile_enabled
 from bcg_core._errors import BreakOutputError, CaptureError, ReplayError
 
@@ -40,6 +41,7 @@ class BreakStep:
     bridge: Bridge
     side_streams: tuple[Any, ...]
     backend: GraphBackend
+    modes: Modes = (False, None)  # the inference and autocast modes it ran under at capture
     kind: Literal["break"] = "break"
 
     def run(self) -> None:
@@ -62,6 +64,8 @@ class BreakStep:
 
 
 Step = SegmentStep | BreakStep
+
+_MIXED = object()  # breaks captured under different modes: every replay compares per break
 
 
 def _expect_none(name: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
@@ -147,6 +151,10 @@ class BreakableCUDAGraph:
         self._steps: tuple[Step, ...] = ()
         self._dropped: tuple[Segment, ...] = ()
         self._plan: tuple[Callable[[], Any], ...] = ()
+        # The modes every break ran under at capture (_MIXED when they differ; None without
+        # breaks), and the plans for replays under other modes (modes.py), made when first met.
+        self._modes: Modes | object | None = None
+        self._plans_under: dict[Modes, tuple[Callable[[], Any], ...]] = {}
         self._backend: GraphBackend = graph_backend
         self._backend.prepare()
         self._pool = pool
@@ -242,9 +250,12 @@ class BreakableCUDAGraph:
                 "capture block has exited"
             )
         # Replay never switches streams: the replay stream is simply torch's current stream.
+        plan = self._plan
+        if self._modes is not None and (now := current_modes()) != self._modes:
+            plan = self._plan_under(now)
         i = 0
         try:
-            for i, run in enumerate(self._plan):  # noqa: B007 (i names the step that raised)
+            for i, run in enumerate(plan):  # noqa: B007 (i names the step that raised)
                 run()
         except BaseException as exc:
             if hasattr(exc, "add_note"):  # Python >= 3.11
@@ -270,6 +281,8 @@ class BreakableCUDAGraph:
             self._steps = ()
             self._dropped = ()
             self._plan = ()
+            self._modes = None
+            self._plans_under = {}
             self._state = _State.EMPTY
 
     @property
@@ -354,11 +367,26 @@ class BreakableCUDAGraph:
         if profile_enabled(self._profile):
             names = _step_names(steps)
             plan = [named(run, n, self._backend) for run, n in zip(plan, names, strict=True)]
+        modes = {s.modes for s in steps if isinstance(s, BreakStep)}
         with self._lock:
             self._steps = tuple(steps)
             self._dropped = tuple(dropped)
             self._plan = tuple(plan)
+            self._modes = None if not modes else modes.pop() if len(modes) == 1 else _MIXED
+            self._plans_under = {}
             self._state = _State.CAPTURED
+
+    def _plan_under(self, now: Modes) -> tuple[Callable[[], Any], ...]:
+        """The plan of a replay under modes other than the capture's: each break that ran
+        under other modes runs under its own again."""
+        plan = self._plans_under.get(now)
+        if plan is None:
+            plan = tuple(
+                run_in(s.modes, run) if isinstance(s, BreakStep) and s.modes != now else run
+                for s, run in zip(self._steps, self._plan, strict=True)
+            )
+            self._plans_under[now] = plan  # a racing duplicate is equal: no lock needed
+        return plan
 
     def _fail_capture(self, steps: Sequence[Step], pool_compromised: bool = False) -> None:
         for step in steps:
@@ -371,6 +399,8 @@ class BreakableCUDAGraph:
                 self._pool = None
             self._steps = ()
             self._plan = ()
+            self._modes = None
+            self._plans_under = {}
             self._state = _State.FAILED
 
     def _step_label(self, index: int) -> str:

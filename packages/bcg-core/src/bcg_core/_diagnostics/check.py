@@ -14,13 +14,16 @@ from bcg_core._errors import BreakableGraphError, HostSyncError
 
 @dataclass(frozen=True)
 class CaptureCheck:
-    """The outcome of :func:`check_capture`.
+    """The outcome of :func:`check_capture`; ``str()`` of it says what to do.
 
-    ``ok`` is True when the capture succeeded; ``segments`` and ``breaks`` are then the graph's
-    segment and break counts (both 0 when it failed). On failure ``error`` is the message (with
-    the note saying in which segment it was raised); for a host synchronisation ``op`` names the
-    operation (``aten._local_scalar_dense.default``, ``Tensor.tolist`` ...) and ``location`` the
-    user's source line as ``file:line``.
+    Attributes:
+        ok: True when the capture succeeded.
+        segments: the graph's segment count (0 when the capture failed).
+        breaks: the graph's break count (0 when the capture failed).
+        error: on failure, the message (with the note saying in which segment it was raised).
+        op: for a host synchronisation, the operation (``aten._local_scalar_dense.default``,
+            ``Tensor.tolist`` ...).
+        location: for a host synchronisation, the user's source line as ``file:line``.
     """
 
     ok: bool

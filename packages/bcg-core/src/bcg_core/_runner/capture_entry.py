@@ -15,6 +15,7 @@ from bcg_core._backends import GraphBackend
 from bcg_core._capture.capture import BreakableCUDAGraphCapture
 from bcg_core._capture.flag import enable_breakable_cuda_graph
 from bcg_core._capture.graph import BreakableCUDAGraph
+from bcg_core._capture.modes import autocast_state
 from bcg_core._runner.calls import Call
 from bcg_core._runner.entry import Entry
 from bcg_core._runner.overlap import OverlapCheck
@@ -127,6 +128,7 @@ def capture_entry(
         pool_bytes=graph.pool_bytes(),
         warmup_ms=(captured - started) * 1e3,
         inference=torch.is_inference_mode_enabled(),
+        autocast=autocast_state(),
         # Both sets are of objects alive now, so no id is another's.
         passed=frozenset(_trees.object_ids(call) & _trees.object_ids(output)),
         written=written,

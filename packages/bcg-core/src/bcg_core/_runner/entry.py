@@ -50,7 +50,8 @@ class Entry:
     the other buffer they lie in: a break may write an argument at a replay that it did not
     write at capture (it re-reads host state), and a replay bumps no version counter but a
     break's, so a moved one is copied back too (:meth:`store`). ``inference`` is whether the
-    capture ran in inference mode: replays run in the same mode.
+    capture ran in inference mode: replays run in the same mode. ``autocast``: the autocast
+    state of the capture (None: off); a call under another one runs eagerly.
     ``passed``: the ids of objects (dataclasses, plain objects: a cache) that
     the call passed in and the output holds; a clone of the output returns them as themselves.
     ``overlap`` tells the calls whose written argument shares memory with another (they run
@@ -70,6 +71,7 @@ class Entry:
     pool_bytes: int | None
     written: tuple[int, ...] = ()
     inference: bool = False
+    autocast: tuple[Any, ...] | None = None
     passed: frozenset[int] = frozenset()
     overlap: OverlapCheck = field(default_factory=lambda: OverlapCheck((), []))
     watched: tuple[tuple[torch.Tensor, int], ...] = ()

@@ -21,6 +21,7 @@ from bcg_core._capture.flag import (
     flag_reset,
 )
 from bcg_core._capture.graph import BreakableCUDAGraph
+from bcg_core._capture.modes import autocast_state
 from bcg_core._diagnostics.divergence import runner_divergence
 from bcg_core._diagnostics.divergence_report import DivergenceReport
 from bcg_core._errors import ConcurrentCaptureError
@@ -202,6 +203,7 @@ class BreakableGraphRunner:
         # Set while this runner captures or replays (on the thread holding the lock): a break
         # that calls the runner again gets an eager run, not its own graph half-way through.
         self._busy = False
+        self._warned_autocast = False
         self._last_failure: tuple[Signature, str] | None = None  # set by _capture_failed
         self._entries: OrderedDict[Signature, Entry] = OrderedDict()
         # The last hit's guard, signature and entry (see _guard_last).
@@ -268,6 +270,10 @@ class BreakableGraphRunner:
             if entry is not None:
                 if entry.written and (pair := entry.overlap.find(live)) is not None:
                     return self._refuse(sig, live, pair, (args, kwargs))
+                if (
+                    torch._C._is_any_autocast_enabled() or entry.autocast is not None
+                ) and autocast_state() != entry.autocast:
+                    return self._other_autocast(entry, (args, kwargs))
                 replays = entry.replays
                 try:
                     return self._replay(entry, live, values)
@@ -702,6 +708,22 @@ class BreakableGraphRunner:
             "so such calls run eagerly: pass tensors that do not overlap (clone one) to replay "
             "the graph",
         )
+        return self.module(*call[0], **call[1])
+
+    def _other_autocast(self, entry: Entry, call: Call) -> Any:
+        """Run eagerly a call under another autocast state than its graph's capture: the
+        graph's kernels are the ones autocast chose then (a miss, warned once)."""
+        self._counts["misses"] += 1
+        if not self._warned_autocast:
+            self._warned_autocast = True
+            logger.warning(
+                "bcg: %s's graph for this call was captured with autocast %s and the call runs "
+                "with autocast %s: it runs eagerly. Capture and call under the same autocast "
+                "(or use one runner per autocast setting).",
+                type(self).__name__,
+                "off" if entry.autocast is None else entry.autocast,
+                "off" if (now := autocast_state()) is None else now,
+            )
         return self.module(*call[0], **call[1])
 
     def _replay(self, entry: Entry, live: list[torch.Tensor], values: list[Any]) -> Any:
