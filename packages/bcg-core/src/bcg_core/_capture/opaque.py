@@ -17,10 +17,19 @@ bumps no version counter, so a write the stub hides cannot be seen at run time).
 makes its own layout (its output structure and values may depend on shapes, and symbolic ones
 belong to that trace). The ops are marked side-effectful: a break that returns nothing is never
 dead code.
+
+An op's outputs are fresh tensors, at run time and at trace time: inductor reuses an op's output
+buffer for its own results, so the real implementation clones every output that another
+reference outside the result could reach (a table, a cached mask, an engine's buffer), read from
+reference counts (``owned.py``), and the fake one hands the tracer fake tensors only. Each traced
+call also gets a *site* key, a constant in dynamo's graph: a backend that runs that graph as it
+is (``backend="eager"``) calls the traced function on real tensors, and checks the output
+against the layout the site's trace made, as the op's real implementation does.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -36,6 +45,8 @@ import torch
 # torch's pytree, not _trees.py: dynamo traces this flattening, and nonstrict_trace uses it.
 import torch.utils._pytree as pytree  # noqa: PLC2701
 
+from bcg_core import _trees
+from bcg_core._capture import owned
 from bcg_core._errors import BreakOutputError
 from bcg_core._trees import PLAIN_VALUES, same_value
 
@@ -64,9 +75,8 @@ class _Layout:
     mutated: tuple[int, ...]  # indices among the call's tensors that the function writes into
     out_spec: pytree.TreeSpec | None = None
     out_leaves: list[Any] = field(default_factory=list)
-    # Concrete (shape, stride) per tensor output as traced, None where symbolic: compiled code
-    # after the op assumes these strides.
-    out_strides: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = field(default_factory=list)
+    # Per tensor output, the strides compiled code after the op assumes (None: none known).
+    out_strides: list[_Strides | None] = field(default_factory=list)
 
 
 _TENSOR = object()
@@ -136,6 +146,8 @@ def _forget(fid: int) -> None:
     _functions.pop(fid, None)
     for key in [k for k, layout in _layouts.items() if layout.function == fid]:
         del _layouts[key]
+    for site in [s for s, key in _sites.items() if key not in _layouts]:
+        del _sites[site]
 
 
 def _registered(fid: int) -> tuple[Callable[..., Any], Callable[..., Any], str]:
@@ -169,8 +181,51 @@ def _box(tree: Any) -> Any:
     return pytree.tree_map(lambda x: _NONE if x is None else x, tree)
 
 
-def _unbox(tree: Any) -> Any:
-    return pytree.tree_map(lambda x: None if type(x) is int and x == _NONE else x, tree)
+def _unbox(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    return pytree.tree_map(
+        lambda x: None if type(x) is int and x == _NONE else x, tree, is_leaf=is_leaf
+    )
+
+
+class _Named:
+    """A named tuple of an op's output, across the nonstrict call: dynamo traces the output's
+    unflattening, and fails on pytree's named-tuple node (torch 2.13: a KeyError on pytree's
+    node registry, so fullgraph=True failed); this node rebuilds it by calling its class."""
+
+    __slots__ = ("cls", "values")
+
+    def __init__(self, cls: type, values: list[Any]) -> None:
+        self.cls, self.values = cls, values
+
+
+def _named_nodes(tree: Any) -> Any:
+    """``tree`` with every named tuple in it made a :class:`_Named` (real Python, not traced)."""
+
+    def node(x: Any) -> Any:
+        if pytree.is_namedtuple_instance(x):
+            return _Named(type(x), [_named_nodes(v) for v in x])
+        return x
+
+    return pytree.tree_map(node, tree, is_leaf=pytree.is_namedtuple_instance)
+
+
+def _unbox_output(tree: Any) -> Any:
+    """:func:`_unbox` for an output, traced by dynamo: a named tuple in it, rebuilt bottom-up
+    by its :class:`_Named` node, is unboxed already and never walked (pytree's named-tuple node
+    is what dynamo fails on)."""
+    return _unbox(tree, is_leaf=pytree.is_namedtuple_instance)
+
+
+def _named_unflatten(values: Any, cls: Any) -> Any:
+    return cls(*_unbox_output(list(values)))
+
+
+pytree.register_pytree_node(
+    _Named,
+    lambda node: (node.values, node.cls),
+    _named_unflatten,
+    serialized_type_name="bcg_core._capture.opaque._Named",
+)
 
 
 def call(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -179,12 +234,32 @@ def call(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     import torch._dynamo  # imported already: dynamo is tracing this
 
     boxed_args, boxed_kwargs = _box((args, kwargs))
+    site = _new_site() + ""  # a value without the source dynamo gives a call's result
     # The second element keeps the traced output non-empty (dynamo refuses an empty one).
-    out = torch._dynamo.nonstrict_trace(_apply)(function_id, boxed_args, boxed_kwargs)[0]
-    return _unbox(out)
+    out = torch._dynamo.nonstrict_trace(_apply)(function_id, site, boxed_args, boxed_kwargs)[0]
+    return _unbox_output(out)
 
 
-def _apply(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
+# Sites (traced calls) and the layout each one's latest trace made: a backend that runs
+# dynamo's graph as it is calls _apply on real tensors, and checks the output against it.
+_sites: dict[str, str] = {}
+_site_ids = itertools.count()
+
+
+def _new_site() -> str:
+    """A new site key. Dynamo calls this once per traced call and puts the result in the graph
+    as a constant, unguarded (``torch._dynamo.assume_constant_result``, set by hand: importing
+    dynamo for it would cost every process ~1 s)."""
+    with _lock:
+        return f"{_NONCE}:s{next(_site_ids)}"
+
+
+_new_site._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _apply(
+    function_id: int, site: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, int]:
     """Run at trace time (dynamo's fake pass, then AOTAutograd's): the op call, traced."""
     if torch.compiler.is_dynamo_compiling():  # True only in code dynamo traces symbolically
         # Dynamo traces this body only when running it on fake tensors failed (a break that
@@ -192,14 +267,14 @@ def _apply(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
         # call could not work): the call becomes a dynamo graph break, an ordinary break call.
         out = _eager(_registered(function_id)[0], *_unbox((args, kwargs)))
         return _box(out), 0
+    # A break passed into the compiled frame (an argument, a closure) has its id read from
+    # there, which dynamic=True makes a SymInt: guarded to its value, as any number is here.
+    function_id = _concrete(function_id)
     flat, spec = pytree.tree_flatten(_unbox((args, kwargs)))
     flat = [_concrete(x) for x in flat]
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     if torch._guards.detect_fake_mode(tensors) is None:
-        # Not a trace: a backend that runs dynamo's graph as it is (backend="eager") calls this
-        # on the real tensors at every call. Then the call is just the call.
-        args, kwargs = pytree.tree_unflatten(flat, spec)
-        return _box(_registered(function_id)[0](*args, **kwargs)), 0
+        return _named_nodes(_box(_run_as_traced(function_id, site, flat, spec))), 0
     key = _layout_for(function_id, flat, spec, tensors)
     layout = _layouts[key]
     functional, mutating, take = _ops()
@@ -213,7 +288,21 @@ def _apply(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
     else:
         outs = functional([], tensors, key)
     assert layout.out_spec is not None  # set by the fake implementation the call just ran
-    return _box(_rebuild(layout.out_leaves, outs, layout.out_spec)), 0
+    with _lock:
+        _sites[site] = key
+    return _named_nodes(_box(_rebuild(layout.out_leaves, outs, layout.out_spec))), 0
+
+
+def _run_as_traced(function_id: int, site: str, flat: list[Any], spec: pytree.TreeSpec) -> Any:
+    """Not a trace: a backend that runs dynamo's graph as it is (backend="eager") calls _apply
+    on the real tensors at every call. The call is just the call, its output checked against
+    the traced one (the graph after it uses the traced non-tensor values)."""
+    function, _, name = _registered(function_id)
+    args, kwargs = pytree.tree_unflatten(flat, spec)
+    out = function(*args, **kwargs)
+    got, got_spec = pytree.tree_flatten(out)
+    _check_output(name, got, got_spec, _layout(_sites.get(site, site)))
+    return out
 
 
 def _concrete(x: Any) -> Any:
@@ -341,11 +430,16 @@ def _rebuild(out_leaves: list[Any], outs: list[Any], out_spec: pytree.TreeSpec) 
 
 
 def _fresh_outputs(
-    result: Any, inputs: list[torch.Tensor], name: str = ""
+    result: Any,
+    inputs: list[torch.Tensor],
+    name: str = "",
+    made: Callable[[torch.Tensor], bool] | None = None,
 ) -> tuple[list[Any], Any]:
     """The result's leaves and spec, with every tensor that shares storage with an input or an
-    earlier output cloned: an op's outputs may alias nothing. Given the break's ``name``, an
-    output that aliases an input is warned about once (compiled code sees a copy of it)."""
+    earlier output cloned, and given ``made`` (a test for "the call made this tensor and
+    nothing else holds it"), every tensor that fails it: an op's outputs may alias nothing, and
+    compiled code reuses an op's output buffer for its own results. Given the break's ``name``,
+    an output that aliases an input is warned about once (compiled code sees a copy of it)."""
     flat, spec = pytree.tree_flatten(result)
     inputs_at = {t.untyped_storage()._cdata for t in inputs}
     seen = set(inputs_at)
@@ -357,9 +451,24 @@ def _fresh_outputs(
                 if name and at in inputs_at:
                     _warn_alias(name)
                 x = x.clone()
+            elif made is not None and not made(x):
+                x = x.clone()
             seen.add(x.untyped_storage()._cdata)
         out.append(x)
     return out, spec
+
+
+def _made_by_call(box: list[Any]) -> Callable[[torch.Tensor], bool]:
+    """A test for "nothing but the output in ``box`` holds this tensor's storage" (the call
+    made it and kept no reference: a table, a cached mask or an engine's buffer returned as it
+    is fails), read from reference counts (``owned.py``); the caller must hold the output
+    nowhere but in ``box``. Where counts cannot tell, every tensor fails (is cloned)."""
+    devices = {t.device for t in _trees.tensor_leaves(box[0])}
+    tests = [owned.sole_owned(box, device) for device in devices]
+    known = [test for test in tests if test is not None]
+    if len(known) < len(tests):
+        return lambda t: False
+    return lambda t: any(test(t) for test in known)
 
 
 def _warn_alias(name: str) -> None:
@@ -389,7 +498,25 @@ def _real(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
     layout = _layout(key)
     function, _, name = _registered(layout.function)
     args, kwargs = _call_args(layout, mutated, rest)
-    flat, spec = _fresh_outputs(function(*args, **kwargs), [*mutated, *rest], name)
+    box = [function(*args, **kwargs)]  # held nowhere else: _made_by_call counts references
+    made = _made_by_call(box)
+    flat, spec = _fresh_outputs(box.pop(), [*mutated, *rest], name, made)
+    _check_output(name, flat, spec, layout)
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    for i, want in enumerate(layout.out_strides):
+        t = tensors[i]
+        stride = None if want is None else want.stride_for(tuple(t.shape))
+        if stride is not None and t.stride() != stride:
+            # The compiled code after the op was built for the traced strides (a capture_stub
+            # that returns another layout than the kernel): give it those.
+            like = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+            tensors[i] = like.copy_(t)
+    return tensors
+
+
+def _check_output(name: str, flat: list[Any], spec: pytree.TreeSpec, layout: _Layout) -> None:
+    """Raise BreakOutputError where a run-time output (leaves and spec) differs from the traced
+    one in structure or in a plain value (the compiled code after the op uses traced ones)."""
     if spec != layout.out_spec:
         raise BreakOutputError(
             f"break {name!r} returned {spec} at run time, but {layout.out_spec} when "
@@ -403,16 +530,6 @@ def _real(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
                 "value. Return the value as a tensor, or make it a value the call's arguments "
                 "decide (dynamo guards on those and recompiles)."
             )
-    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-    for i, want in enumerate(layout.out_strides):
-        t = tensors[i]
-        if want is not None and t.stride() != want[1] and tuple(t.shape) == want[0]:
-            # The compiled code after the op was built for the traced strides (a capture_stub
-            # that returns another layout than the kernel): give it those.
-            tensors[i] = torch.empty_strided(
-                want[0], want[1], dtype=t.dtype, device=t.device
-            ).copy_(t)
-    return tensors
 
 
 def _fake(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> list[torch.Tensor]:
@@ -421,19 +538,69 @@ def _fake(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
     args, kwargs = _call_args(layout, mutated, rest)
     flat, spec = _fresh_outputs(fake(*args, **kwargs), [*mutated, *rest])
     leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat]
-    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    tensors = [_as_fake(x) for x in flat if isinstance(x, torch.Tensor)]
     with _lock:
         if layout.out_spec is None:
             layout.out_spec, layout.out_leaves = spec, leaves
-            layout.out_strides = [_concrete_layout(t) for t in tensors]
+            layout.out_strides = [_Strides.of(t) for t in tensors]
     return tensors
 
 
-def _concrete_layout(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    dims = (*t.shape, *t.stride())
-    if not all(type(d) is int for d in dims):
+def _as_fake(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or where it is a real tensor (a function run on fake tensors returns a table or a
+    buffer it keeps) a new one like it in the active fake mode: the tracer takes only fakes."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if getattr(t, "fake_mode", None) is mode:
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
+
+@dataclass(frozen=True)
+class _Strides:
+    """The strides the compiled code after the op expects of one tensor output: ``fixed``
+    (shape and strides) where the traced ones are concrete, else ``order`` (its dimensions from
+    outermost to innermost) where the traced tensor is dense in that order, shapes symbolic."""
+
+    fixed: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    order: tuple[int, ...] | None = None
+
+    @staticmethod
+    def of(t: torch.Tensor) -> _Strides | None:
+        """What a traced output fixes; None where its strides are symbolic and not dense."""
+        if all(type(d) is int for d in (*t.shape, *t.stride())):
+            return _Strides(fixed=(tuple(t.shape), tuple(t.stride())))
+        from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+        stride = t.stride()
+
+        def outer_first(a: int, b: int) -> int:  # sort reads only "less"; undecided: checked below
+            return -1 if guard_or_false(stride[a] > stride[b]) else 0
+
+        order = tuple(sorted(range(t.dim()), key=functools.cmp_to_key(outer_first)))
+        dense = _dense_strides(t.shape, order)
+        # Without guards: the layout must not add any (a check that needs one fails: None).
+        if all(guard_or_false(a == b) for a, b in zip(stride, dense, strict=True)):
+            return _Strides(order=order)
         return None
-    return tuple(t.shape), tuple(t.stride())
+
+    def stride_for(self, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The strides expected of an output of this run-time ``shape``; None: no demand."""
+        if self.fixed is not None:
+            return self.fixed[1] if shape == self.fixed[0] else None
+        assert self.order is not None
+        return tuple(_dense_strides(shape, self.order))
+
+
+def _dense_strides(shape: Any, order: tuple[int, ...]) -> list[Any]:
+    """The strides of a dense tensor of ``shape`` whose dimensions, outermost to innermost,
+    are ``order`` (as ``torch.empty`` makes them: an empty dimension counts as one)."""
+    strides: list[Any] = [1] * len(shape)
+    step: Any = 1
+    for d in reversed(order):
+        strides[d] = step
+        size = shape[d]  # symbolic sizes are at least 2 (dynamo specializes 0 and 1)
+        step = step * (1 if type(size) is int and size == 0 else size)
+    return strides
 
 
 # The outputs of the last writing op per layout, on this thread, until its take op reads them.
