@@ -115,6 +115,17 @@ def test_decorator_rejects_bad_arguments() -> None:
         eager_on_graph(capture_stub=3)  # type: ignore[call-overload]
     with pytest.raises(TypeError, match="decorates a callable"):
         eager_on_graph()(5)  # type: ignore[type-var]
+    # a string option would be truthy whatever it says
+    with pytest.raises(TypeError, match="strict must be a bool"):
+        eager_on_graph(strict="false")  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="gated must be a bool"):
+        eager_on_graph(gated=1)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="enable must be a bool"):
+        eager_on_graph(enable=None)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="name must be a non-empty str"):
+        eager_on_graph(name="")
+    with pytest.raises(TypeError, match="name must be a non-empty str"):
+        eager_on_graph(name=7)  # type: ignore[call-overload]
 
 
 def test_break_graph_is_noop_outside_capture() -> None:

@@ -128,7 +128,8 @@ def eager_on_graph(
         The wrapped function (bare use), or a decorator that wraps one.
 
     Raises:
-        TypeError: ``capture_stub`` or the decorated object is not callable, or either is a
+        TypeError: ``enable``, ``strict`` or ``gated`` is not a bool, ``name`` is not a
+            non-empty str, ``capture_stub`` or the decorated object is not callable, or either is a
             coroutine function (``async def``), an async generator function or a
             generator function: its body would not run in the break (make it a plain function
             that returns its value).
@@ -136,6 +137,12 @@ def eager_on_graph(
             replay, :meth:`BreakableCUDAGraph.replay` raises it when the returned structure,
             shapes, dtypes or plain values differ from capture's).
     """
+    for option, value in (("enable", enable), ("strict", strict), ("gated", gated)):
+        if not isinstance(value, bool):
+            # a truthy string such as "false" would silently mean True
+            raise TypeError(f"eager_on_graph's {option} must be a bool, got {value!r}")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise TypeError(f"eager_on_graph's name must be a non-empty str or None, got {name!r}")
     if capture_stub is not None and not callable(capture_stub):
         raise TypeError(f"capture_stub must be callable, got {capture_stub!r}")
     if capture_stub is not None:
