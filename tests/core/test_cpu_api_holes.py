@@ -16,10 +16,12 @@ import torch
 from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
+    BreakableGraphRunner,
     PatchHandle,
     eager_on_graph,
     enable_breakable_cuda_graph,
     get_current_stream,
+    is_breakable_capture_active,
     patch_attribute,
 )
 from bcg_core._backends import backend_for  # noqa: PLC2701
@@ -339,3 +341,25 @@ def test_check_divergence_on_cuda_without_cuda_is_one_line_and_exit_code_2(
     assert "--backend cpu" in lines[0]
     assert main(["check", f"{path}:make_check", "--divergence", "--backend", "cpu"]) == 0
     assert "ok" in capsys.readouterr().out
+
+
+def test_a_pool_of_another_kind_is_refused_where_it_is_given() -> None:
+    """A pool the backend cannot capture into is refused at construction, naming what to pass
+    (the CPU backend used to take any object and share nothing through it)."""
+    for bad in ("pool", 3, (1, 2), object()):
+        with pytest.raises(TypeError, match="captures into its own pools"):
+            BreakableCUDAGraph(pool=bad, backend="cpu")
+        with pytest.raises(TypeError, match="captures into its own pools"):
+            BreakableGraphRunner(torch.nn.Identity(), device="cpu", pool=bad)
+        graph = BreakableCUDAGraph(backend="cpu")
+        with pytest.raises(TypeError, match="captures into its own pools"):
+            BreakableCUDAGraphCapture(graph, pool=bad)
+        assert not is_breakable_capture_active()
+    graph = BreakableCUDAGraph(backend="cpu")
+    shared = BreakableCUDAGraph(pool=graph.pool(), backend="cpu")
+    x = torch.ones(3)
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(shared):
+        out = x + 1
+    x.fill_(4)
+    shared.replay()
+    assert torch.equal(out, torch.full((3,), 5.0))

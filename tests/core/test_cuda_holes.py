@@ -149,3 +149,22 @@ def test_breaks_replay_under_their_capture_autocast_and_inference_mode() -> None
     graph.replay()  # neither mode here
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+def test_a_pool_that_is_no_pool_is_refused_and_a_pool_handle_is_taken() -> None:
+    for bad in ("pool", 3, (1,), (1.0, 2.0), object()):
+        with pytest.raises(TypeError, match="must be a graph memory pool"):
+            BreakableCUDAGraph(pool=bad)
+        with pytest.raises(TypeError, match="must be a graph memory pool"):
+            BreakableGraphRunner(torch.nn.Identity(), pool=bad)
+        with pytest.raises(TypeError, match="must be a graph memory pool"):
+            BreakableCUDAGraphCapture(BreakableCUDAGraph(), pool=bad)
+    handle = torch.cuda.graph_pool_handle()
+    graph = BreakableCUDAGraph(pool=handle)
+    x = torch.ones(3, device="cuda")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        out = x + 1
+    x.fill_(4)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full((3,), 5.0, device="cuda"))

@@ -223,6 +223,13 @@ class CpuBackend:
     def new_segment(self) -> CpuSegment:
         return CpuSegment()
 
+    def check_pool(self, pool: Any) -> None:
+        if not isinstance(pool, CpuPool):
+            raise TypeError(
+                f"the CPU graph backend captures into its own pools, got {pool!r}; pass another "
+                "CPU graph's pool() (or backend_for('cpu').new_pool()), or leave pool=None"
+            )
+
     def new_pool(self) -> CpuPool:
         return CpuPool()
 

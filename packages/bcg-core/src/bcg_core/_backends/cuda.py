@@ -128,6 +128,16 @@ class CudaBackend:
     def new_segment(self) -> CudaSegment:
         return CudaSegment()
 
+    def check_pool(self, pool: Any) -> None:
+        ident = pool_id(pool)
+        if not (
+            isinstance(ident, tuple) and len(ident) == 2 and all(type(i) is int for i in ident)
+        ):
+            raise TypeError(
+                f"pool must be a graph memory pool, got {pool!r}; pass another graph's pool(), "
+                "torch.cuda.graph_pool_handle() or a torch.cuda.MemPool, or leave pool=None"
+            )
+
     def new_pool(self) -> CudaPool:
         self.check_available()  # else torch's "dummy base class _graph_pool_handle" error
         return CudaPool()

@@ -373,6 +373,8 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
             raise TypeError(f"faithful must be a bool, got {faithful!r}")
         if stream is not None and not hasattr(stream, "cuda_stream"):
             raise TypeError(f"stream must be a torch.cuda.Stream or None, got {stream!r}")
+        if pool is not None:
+            cuda_graph._backend_impl.check_pool(pool)
         self.cuda_graph = cuda_graph
         self._pool = pool
         self._stream = stream

@@ -128,8 +128,9 @@ class BreakableCUDAGraph:
 
     Args:
         pool: a memory pool handle to capture into, from another graph's :meth:`pool` or a
-            runner's ``pool``, so the graphs share memory (replay them one at a time). Default
-            None: the graph makes its own pool on first use.
+            runner's ``pool``, so the graphs share memory (replay them one at a time); on CUDA
+            also ``torch.cuda.graph_pool_handle()``. Anything else raises ``TypeError``.
+            Default None: the graph makes its own pool on first use.
         backend: ``"cuda"`` (the default) or ``"cpu"``, the device whose graphs are captured.
         profile: True names each replay step for the profiler, False never does; None (the
             default) reads ``BCG_PROFILE`` at capture.
@@ -157,6 +158,8 @@ class BreakableCUDAGraph:
         self._plans_under: dict[Modes, tuple[Callable[[], Any], ...]] = {}
         self._backend: GraphBackend = graph_backend
         self._backend.prepare()
+        if pool is not None:
+            self._backend.check_pool(pool)
         self._pool = pool
         self._owns_pool = pool is None
         self._state = _State.EMPTY

@@ -191,6 +191,8 @@ class BreakableGraphRunner:
         self._stream_device: torch.device | None = (
             self.device if self.device.index is not None else None
         )
+        if pool is not None:
+            self._graph_backend.check_pool(pool)
         self._pool = pool
         self._owns_pool = pool is None
         turn = PoolTurn(self._graph_backend)
