@@ -149,3 +149,20 @@ def test_check_capture_returns_the_public_capture_check() -> None:
     report = check_capture(lambda x: _cos(x * 2) * 2, torch.ones(2))
     assert isinstance(report, CaptureCheck)
     assert report == CaptureCheck(ok=True, segments=2, breaks=1)
+
+
+def test_calls_while_graphs_are_disabled_count_as_misses() -> None:
+    # They were counted nowhere: hits 3, misses 0 read as a 100% hit rate while half the calls
+    # ran eagerly.
+    from bcg_core import disable_breakable_graphs
+
+    runner = BreakableGraphRunner(lambda x: x * 2, device="cpu", warmup_iters=0)
+    x = torch.ones(3)
+    runner.capture(x)
+    for _ in range(3):
+        assert torch.equal(runner(x), x * 2)
+    with disable_breakable_graphs():
+        for _ in range(3):
+            assert torch.equal(runner(x), x * 2)
+    stats = runner.stats
+    assert (stats.hits, stats.misses, stats.captures) == (3, 3, 1)

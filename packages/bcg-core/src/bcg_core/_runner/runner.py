@@ -252,6 +252,7 @@ class BreakableGraphRunner:
                 or not self._graph_backend.is_available()
             ):
                 self._announce_eager()
+                self._counts["misses"] += 1  # a hit rate must not read 100% while nothing replays
                 return self.module(*args, **kwargs)
             if self._busy:
                 return self.module(*args, **kwargs)

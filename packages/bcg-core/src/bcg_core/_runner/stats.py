@@ -95,8 +95,9 @@ class RunnerStats:
     Attributes:
         hits: calls served by a replay.
         misses: calls run eagerly for want of a graph: an unknown signature outside a capture
-            window, a blocked one, or a call whose argument written by the graph shares
-            memory with another argument.
+            window, a blocked one, a call whose argument written by the graph shares
+            memory with another argument, or any call while the runner or breakable graphs
+            are disabled (``BCG_DISABLE``, ``max_segments``, no device).
         captures: successful captures.
         failed_captures: captures that raised (their signatures are blocked).
         evictions: entries dropped beyond ``max_entries`` (least recently used first).
