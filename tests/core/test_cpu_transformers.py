@@ -402,6 +402,22 @@ def test_sliding_window_step_of_several_tokens_is_refused() -> None:
     assert not bcg_core.is_breakable_capture_active()
 
 
+def test_sliding_window_capture_before_the_prefill_is_refused() -> None:
+    model = _windowed("mistral")
+    cache = transformers.StaticCache(config=model.config, max_cache_len=64)
+
+    def decode(ids: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = model(input_ids=ids, past_key_values=cache).logits
+        return logits
+
+    runner = BreakableGraphRunner(decode, device="cpu", warmup_iters=0)
+    with torch.no_grad():
+        runner.capture(torch.tensor([[3]]))
+    (why,) = runner.blocked_signatures.values()
+    assert "CaptureError" in why and "before the cache is prefilled" in why
+    assert not bcg_core.is_breakable_capture_active()
+
+
 def test_sliding_window_replays_pass_the_divergence_check() -> None:
     """bcg's own check, over input sets before, at and well past a full window."""
     model = _windowed("mistral")

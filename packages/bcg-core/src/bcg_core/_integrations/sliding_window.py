@@ -87,18 +87,31 @@ def took_last_update() -> bool:
     attention that follows it may then be captured); clears it."""
     updated = _UPDATED.get()
     _UPDATED.set(None)
-    return updated is not None and updated() is active_capture() is not None
+    state = active_capture()
+    return state is not None and updated is not None and updated() is state
 
 
 def _active() -> bool:
     return not _is_compiling() and is_in_breakable_cuda_graph()
 
 
-def _refuse(layer: Any, why: str) -> CaptureError:
+def _refuse(layer: Any, tokens: int | None = None) -> CaptureError:
+    """Why a sliding layer's step cannot be captured: a step of ``tokens`` tokens, or (None)
+    a cache not yet prefilled."""
+    if tokens is None:
+        why = (
+            "before the cache is prefilled (its buffers do not exist yet): run the prefill, "
+            "or call the cache's early_initialization(), before capturing"
+        )
+    else:
+        why = (
+            f"for a step of {tokens} tokens: transformers keeps its position in a Python int, "
+            "and only one-token steps have the same shapes at every position (with more, the "
+            "mask length and the update's result change once the window fills); capture "
+            "one-token decode steps and run this one eagerly"
+        )
     return CaptureError(
-        f"bcg: a sliding-window cache layer ({type(layer).__name__}) cannot be captured {why}: "
-        "transformers keeps its position in a Python int, and only one-token steps have "
-        "the same shapes at every position; capture one-token decode steps, run this one eagerly"
+        f"bcg: a sliding-window cache layer ({type(layer).__name__}) cannot be captured {why}"
     )
 
 
@@ -114,11 +127,11 @@ def _wrap_update(original: Callable[..., Any]) -> Callable[..., Any]:
         state = active_capture()
         if key_states.shape[-2] != 1:
             if state is not None:
-                raise _refuse(self, f"for a step of {key_states.shape[-2]} tokens")
+                raise _refuse(self, key_states.shape[-2])
             return original(self, key_states, value_states, *args, **kwargs)
         if state is not None:
             if not self.is_initialized:
-                raise _refuse(self, "before the cache is prefilled")
+                raise _refuse(self)
             _offsets_made.get(state, {}).pop(id(self), None)  # the position moves on
             _UPDATED.set(weakref.ref(state))
         _offsets_read.pop(self, None)
@@ -154,7 +167,7 @@ def _wrap_seq_length(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self)
         if not self.is_initialized:
             if active_capture() is not None:
-                raise _refuse(self, "before the cache is prefilled")
+                raise _refuse(self)
             return original(self)
         return _offsets(self)[0]
 
@@ -169,7 +182,7 @@ def _wrap_mask_sizes(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, query_length)
         if query_length != 1:
             if active_capture() is not None:
-                raise _refuse(self, f"for a step of {query_length} tokens")
+                raise _refuse(self, query_length)
             return original(self, query_length)
         kv_length, _ = original(self, query_length)
         return kv_length, _offsets(self)[1]
