@@ -3,14 +3,15 @@ BreakableGraphRunner on the CPU graph backend, with bcg_core.breakable_attention
 
 The recipe for the stateful cache: a StaticCache advances its position (a tensor inside the
 cache) in place on every forward, in the graph too. ``runner.capture()`` runs the step
-``warmup_iters + 1`` times (warm-ups, then the capture), so the cache tensors are saved before
-the capture and copied back in place after it (in place: the graph reads those addresses). The
-eager reference
-steps its own cache, prefilled with the same prompt.
+``warmup_iters + 1`` times (warm-ups, then the capture), so the cache state is saved before the
+capture and put back after it (the tensors in place: the graph reads those addresses; the
+sliding-window layers' Python int positions too). The eager reference steps its own cache,
+prefilled with the same prompt.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +38,7 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "qwen2": lambda: transformers.Qwen2Config(**SMALL),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=16),
 }
-# More families, CPU only: full attention everywhere (see test_sliding_window_is_refused).
+# More families, CPU only: full attention everywhere (WINDOWED below has them with windows).
 MORE_FAMILIES: dict[str, Callable[[], Any]] = {
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=None),
     "gemma2": lambda: transformers.Gemma2Config(
@@ -56,25 +57,50 @@ def _model(family: str, attn: str) -> Any:
 
 
 def cache_tensors(cache: Any) -> list[torch.Tensor]:
-    """Everything a StaticCache's forward mutates: keys, values and the position counter."""
+    """Every tensor a StaticCache's forward mutates: keys, values and the position counter."""
     return [
         t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)
     ]
 
 
-def _prefilled(model: Any, prompt: torch.Tensor) -> Any:
-    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+def sliding_positions(cache: Any) -> list[int]:
+    """The Python int positions of a StaticCache's sliding-window layers."""
+    return [layer.cumulative_length_int for layer in cache.layers if layer.is_sliding]
+
+
+def saved_cache(cache: Any) -> Callable[[], None]:
+    """Save what a StaticCache's forward mutates; the returned function puts it back (the
+    tensors in place, the sliding layers' ints)."""
+    tensors = [t.clone() for t in cache_tensors(cache)]
+    positions = sliding_positions(cache)
+
+    def restore() -> None:
+        for t, s in zip(cache_tensors(cache), tensors, strict=True):
+            t.copy_(s)
+        sliding = [layer for layer in cache.layers if layer.is_sliding]
+        for layer, position in zip(sliding, positions, strict=True):
+            layer.cumulative_length_int = position
+
+    return restore
+
+
+def _prefilled(model: Any, prompt: torch.Tensor, max_cache_len: int = 32) -> Any:
+    cache = transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
     with torch.no_grad():
         model(input_ids=prompt, past_key_values=cache, use_cache=True)
     return cache
 
 
 def runner_and_caches(
-    model: Any, prompt: torch.Tensor, device: str = "cpu", **runner_kwargs: Any
+    model: Any,
+    prompt: torch.Tensor,
+    device: str = "cpu",
+    max_cache_len: int = 32,
+    **runner_kwargs: Any,
 ) -> tuple[BreakableGraphRunner, Any, Any]:
     """A runner decoding one step on a cache prefilled with ``prompt``, that cache, and a
     second one prefilled alike for the eager reference."""
-    cache, reference_cache = _prefilled(model, prompt), _prefilled(model, prompt)
+    cache, reference_cache = (_prefilled(model, prompt, max_cache_len) for _ in range(2))
 
     def decode(ids: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
@@ -89,31 +115,39 @@ def decode_through_runner(
     device: str = "cpu",
     mask_breaks: int = 0,
     mode: Callable[[], Any] = torch.no_grad,
-) -> None:
+    max_cache_len: int = 32,
+) -> Any:
     """Greedy decode: the runner's graph against eager on a second cache, bitwise, per step.
     ``mask_breaks``: the mask functions the forward calls as breaks (bases other than sdpa);
-    ``mode``: what capture and decode run under (``torch.inference_mode`` as engines do)."""
+    ``mode``: what capture and decode run under (``torch.inference_mode`` as engines do).
+    Sliding-window cache layers add one break each and one per forward. Returns the eager
+    reference's cache."""
     prompt = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
-    runner, cache, reference_cache = runner_and_caches(model, prompt, device)
+    runner, cache, reference_cache = runner_and_caches(model, prompt, device, max_cache_len)
     ids = prompt[:, -1:].flip(0)
+    sliding = len(sliding_positions(cache))
     with mode():
-        saved = [t.clone() for t in cache_tensors(cache)]
+        restore = saved_cache(cache)
         runner.capture(ids)  # advances the cache several times...
-        for t, s in zip(cache_tensors(cache), saved, strict=True):
-            t.copy_(s)  # ...so put it back where it was, in place
+        restore()  # ...so put it back where it was
         (entry,) = runner.stats.entries
-        assert entry.breaks == model.config.num_hidden_layers + mask_breaks
-        # adjacent mask breaks leave empty segments between them, which are dropped
-        assert entry.segments == entry.breaks + 1 - max(mask_breaks - 1, 0)
+        layers = model.config.num_hidden_layers
+        assert entry.breaks == layers + mask_breaks + sliding + int(sliding > 0)
+        if not sliding:
+            # adjacent mask breaks leave empty segments between them, which are dropped
+            assert entry.segments == entry.breaks + 1 - max(mask_breaks - 1, 0)
         for _ in range(steps):
             got = runner(ids)
             expected = model(input_ids=ids, past_key_values=reference_cache, use_cache=True).logits
             assert torch.equal(got, expected)
             ids = expected[:, -1:].argmax(-1)
     assert runner.stats.hits == steps
-    assert torch.equal(
-        cache.layers[0].cumulative_length, reference_cache.layers[0].cumulative_length
+    assert all(
+        torch.equal(a.cumulative_length, b.cumulative_length)
+        for a, b in zip(cache.layers, reference_cache.layers, strict=True)
     )
+    assert sliding_positions(cache) == sliding_positions(reference_cache)
+    return reference_cache
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -137,37 +171,6 @@ def test_more_families_decode_equal_eager(family: str, base: str) -> None:
     masks = 0 if base == "sdpa" else 2 if family == "gemma2" else 1  # gemma2: full and sliding
     model = _model(family, bcg_core.breakable_attention(base))
     decode_through_runner(model, steps=3, mask_breaks=masks)
-
-
-def test_sliding_window_is_refused_and_the_runner_stays_eager() -> None:
-    """transformers keeps a sliding-window cache layer's position in a Python int, which a graph
-    would freeze (replays at later positions: wrong logits). Capture refuses it by name; the
-    runner then runs that signature eagerly, so the values stay right."""
-    torch.manual_seed(0)
-    config = transformers.MistralConfig(**SMALL)  # sliding_window=4096: sliding cache layers
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation=bcg_core.breakable_attention("sdpa"), dtype=torch.float32
-    ).eval()
-    prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
-    runner, cache, reference_cache = runner_and_caches(model, prompt, warmup_iters=0)
-    ids = prompt[:, -1:]
-    with torch.no_grad():
-        saved = [t.clone() for t in cache_tensors(cache)]
-        positions = [layer.cumulative_length_int for layer in cache.layers]
-        runner.capture(ids)  # refused part-way, then run eagerly: the cache moved on
-        (why,) = runner.blocked_signatures.values()
-        assert "CaptureError" in why and "sliding-window attention (sliding_window=4096" in why
-        assert not bcg_core.is_breakable_capture_active()
-        assert runner.stats.entries == ()
-        for t, s in zip(cache_tensors(cache), saved, strict=True):
-            t.copy_(s)
-        for layer, position in zip(cache.layers, positions, strict=True):
-            layer.cumulative_length_int = position
-        for _ in range(3):
-            got = runner(ids)
-            expected = model(input_ids=ids, past_key_values=reference_cache, use_cache=True)
-            assert torch.equal(got, expected.logits)
-            ids = expected.logits[:, -1:].argmax(-1)
 
 
 def test_sdpa_break_is_the_kernel_call_alone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -294,42 +297,148 @@ def test_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -
         bcg_core.breakable_attention("sdpa")
 
 
-# Every family with sliding layers, windowed as its config says (the window is never reached:
-# the refusal must come from the model, its config or its layer, not from the values).
+# Every family with sliding layers, with a window of 16 (a 64-slot StaticCache: the sliding
+# layers' buffers hold 16 tokens, the full layers' 64, so decode crosses the window).
+WINDOW = 16
 WINDOWED: dict[str, Callable[[], Any]] = {
-    "mistral": lambda: transformers.MistralConfig(**SMALL),
-    "gemma2": lambda: transformers.Gemma2Config(**SMALL, head_dim=16, pad_token_id=0),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=WINDOW),
+    "gemma2": lambda: transformers.Gemma2Config(
+        **SMALL, head_dim=16, pad_token_id=0, sliding_window=WINDOW
+    ),
     "gemma3": lambda: transformers.Gemma3TextConfig(
-        **SMALL, head_dim=16, pad_token_id=0, sliding_window=16
+        **SMALL, head_dim=16, pad_token_id=0, sliding_window=WINDOW
     ),
     "qwen2": lambda: transformers.Qwen2Config(
-        **SMALL, use_sliding_window=True, sliding_window=16, max_window_layers=0
+        **SMALL, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0
     ),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
         **{**SMALL, "num_hidden_layers": 2},
-        use_sliding_window=True, sliding_window=16, max_window_layers=2,
+        use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2,
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=32,
     ),
-    "phi3": lambda: transformers.Phi3Config(**SMALL, pad_token_id=0, sliding_window=16),
+    "phi3": lambda: transformers.Phi3Config(**SMALL, pad_token_id=0, sliding_window=WINDOW),
 }  # fmt: skip
+# The mask functions a forward calls (as breaks, for bases other than sdpa): one per mask kind.
+WINDOWED_MASKS = {"mistral": 1, "phi3": 1, "gemma2": 2, "gemma3": 2, "qwen2": 2, "qwen2_moe": 2}
 
 
-@pytest.mark.parametrize("family", sorted(WINDOWED))
-def test_every_sliding_window_family_is_refused(family: str) -> None:
+def _windowed(family: str, base: str = "sdpa") -> Any:
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        WINDOWED[family](), attn_implementation=bcg_core.breakable_attention("sdpa"),
+    return transformers.AutoModelForCausalLM.from_config(
+        WINDOWED[family](), attn_implementation=bcg_core.breakable_attention(base),
         dtype=torch.float32,
     ).eval()  # fmt: skip
+
+
+@pytest.mark.parametrize("base", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_sliding_window_decode_replays_equal_eager_across_the_window(
+    family: str, base: str
+) -> None:
+    """One capture at position 6, then 40 replays: the sliding layers fill (position 16) and
+    roll for 30 steps, every replay's logits equal eager's on its own cache."""
+    model = _windowed(family, base)
+    masks = 0 if base == "sdpa" else WINDOWED_MASKS[family]
+    reference = decode_through_runner(model, steps=40, mask_breaks=masks, max_cache_len=64)
+    assert reference.layers[0].is_sliding or reference.layers[1].is_sliding
+    assert set(sliding_positions(reference)) == {6 + 40}  # 30 steps past a full window
+
+
+def test_sliding_window_breaks_are_the_update_and_one_position() -> None:
+    """Gemma 2 alternates sliding and full layers: each sliding layer's cache update is a break,
+    one break per forward reads the sliding position; the full layer has its attention alone."""
+    breaks, _, _ = captured_breaks(_windowed("gemma2"))
+    update, position = (
+        "transformers sliding-window cache update",
+        "transformers sliding-window position",
+    )
+    attention = "transformers attention (bcg_sdpa)"
+    assert [b.name for b in breaks] == [position, update, attention, attention, update, attention]
+
+
+def test_sliding_window_on_a_dynamic_cache_is_refused_and_the_runner_stays_eager() -> None:
+    """A DynamicCache's sliding layer keeps its position in a Python int bcg does not take
+    over: the capture is refused by name and the runner serves that signature eagerly."""
+    model = _windowed("mistral")
     prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
-    runner, _, _ = runner_and_caches(model, prompt, warmup_iters=0)
     with torch.no_grad():
-        runner.capture(prompt[:, -1:])
+        prefilled = transformers.DynamicCache(config=model.config)
+        model(input_ids=prompt, past_key_values=prefilled, use_cache=True)
+        caches = [copy.deepcopy(prefilled)]
+
+        def decode(ids: torch.Tensor) -> torch.Tensor:
+            logits: torch.Tensor = model(input_ids=ids, past_key_values=caches[-1]).logits
+            return logits
+
+        runner = BreakableGraphRunner(decode, device="cpu", warmup_iters=0)
+        ids = prompt[:, -1:]
+        runner.capture(ids)  # refused part-way (after layer 0's update), then run eagerly
+        (why,) = runner.blocked_signatures.values()
+        assert "CaptureError" in why and "sliding-window attention (sliding_window=16" in why
+        assert "not a StaticCache sliding layer" in why
+        assert runner.stats.entries == ()
+        assert not bcg_core.is_breakable_capture_active()
+        caches.append(copy.deepcopy(prefilled))  # decode from the prompt again
+        reference = copy.deepcopy(prefilled)
+        for _ in range(3):
+            got = runner(ids)
+            expected = model(input_ids=ids, past_key_values=reference).logits
+            assert torch.equal(got, expected)
+            ids = expected[:, -1:].argmax(-1)
+
+
+def test_sliding_window_step_of_several_tokens_is_refused() -> None:
+    """Several tokens change the sliding layers' mask length and update result once the window
+    fills: such a step is refused at capture and served eagerly."""
+    model = _windowed("gemma3")
+    prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
+    runner, _, _ = runner_and_caches(model, prompt, max_cache_len=64, warmup_iters=0)
+    with torch.no_grad():
+        runner.capture(prompt[:, -2:])
     (why,) = runner.blocked_signatures.values()
-    assert "CaptureError" in why and "sliding-window attention" in why
+    assert "CaptureError" in why and "for a step of 2 tokens" in why
     assert runner.stats.entries == ()
     assert not bcg_core.is_breakable_capture_active()
+
+
+def test_sliding_window_capture_before_the_prefill_is_refused() -> None:
+    model = _windowed("mistral")
+    cache = transformers.StaticCache(config=model.config, max_cache_len=64)
+
+    def decode(ids: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = model(input_ids=ids, past_key_values=cache).logits
+        return logits
+
+    runner = BreakableGraphRunner(decode, device="cpu", warmup_iters=0)
+    with torch.no_grad():
+        runner.capture(torch.tensor([[3]]))
+    (why,) = runner.blocked_signatures.values()
+    assert "CaptureError" in why and "before the cache is prefilled" in why
+    assert not bcg_core.is_breakable_capture_active()
+
+
+def test_sliding_window_replays_pass_the_divergence_check() -> None:
+    """bcg's own check, over input sets before, at and well past a full window."""
+    model = _windowed("mistral")
+    cache = transformers.StaticCache(config=model.config, max_cache_len=64)
+    prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
+
+    def at(length: int, token: int) -> Callable[[], tuple[torch.Tensor]]:
+        def load() -> tuple[torch.Tensor]:
+            cache.reset()
+            model(input_ids=prompt.repeat(1, length // 5), past_key_values=cache)
+            return (torch.tensor([[token]]),)
+
+        return load
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = model(input_ids=ids, past_key_values=cache).logits
+        return logits
+
+    with torch.no_grad():
+        report = bcg_core.check_divergence(step, [at(5, 3), at(15, 5), at(40, 9)])
+    assert report.ok, str(report)
 
 
 def _compiled_decode(
@@ -337,8 +446,6 @@ def _compiled_decode(
 ) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """A bcg_sdpa model prefilled on a StaticCache, compiled (aot_eager, fullgraph) for one
     decode step: (the explain result, the compiled step's logits, eager's on a copy)."""
-    import copy
-
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         family_config, attn_implementation=bcg_core.breakable_attention("sdpa"),
@@ -375,9 +482,10 @@ def test_compiled_decode_is_one_graph_and_equals_eager(family: str) -> None:
 
 @pytest.mark.parametrize("family", sorted(WINDOWED))
 def test_compiled_sliding_window_layers_carry_their_reason(family: str) -> None:
-    """Compiled, a sliding-window layer still traces to one graph, and its sdpa op carries the
-    reason the capture will refuse it with (tested end to end on CUDA, where captures run the
-    compiled code: test_cuda_compile.py)."""
+    """Compiled, a sliding-window layer still traces to one graph (bcg's sliding-window breaks
+    stay out of traced code), and its sdpa op carries the reason the capture will refuse it
+    with: dynamo traces the cache's Python int position (tested end to end on CUDA, where
+    captures run the compiled code: test_cuda_compile.py)."""
     from bcg_core._capture import opaque  # noqa: PLC2701
 
     before = set(opaque._layouts)

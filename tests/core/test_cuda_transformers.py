@@ -13,7 +13,14 @@ pytest.importorskip(
     "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
 )
 
-from test_cpu_transformers import FAMILIES, captured_breaks, decode_through_runner
+from test_cpu_transformers import (
+    FAMILIES,
+    WINDOWED,
+    WINDOWED_MASKS,
+    captured_breaks,
+    decode_through_runner,
+    sliding_positions,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -53,6 +60,30 @@ def test_decode_captured_in_inference_mode_on_cuda(base: str) -> None:
     decode_through_runner(
         model, steps=3, device="cuda", mask_breaks=int(base != "sdpa"), mode=torch.inference_mode
     )
+
+
+@pytest.mark.parametrize("base", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_sliding_window_decode_across_the_window_on_cuda(family: str, base: str) -> None:
+    """The sliding layers' update and position breaks on CUDA (their eager roll, the fills of
+    the position, the mask built in the graph from it): 40 replays, 30 past a full window."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = (
+        transformers.AutoModelForCausalLM.from_config(
+            WINDOWED[family](),
+            attn_implementation=bcg_core.breakable_attention(base),
+            dtype=torch.bfloat16,
+        )
+        .to("cuda")
+        .eval()
+    )
+    masks = 0 if base == "sdpa" else WINDOWED_MASKS[family]
+    reference = decode_through_runner(
+        model, steps=40, device="cuda", mask_breaks=masks, max_cache_len=64
+    )
+    assert set(sliding_positions(reference)) == {6 + 40}
 
 
 FUSED = {

@@ -32,7 +32,8 @@ class CaptureError(BreakableGraphError):
     the segment's without ``capture_error_mode="relaxed"``; when a break leaves a fresh device
     tensor alive under ``debug="strict"``; when the CPU backend meets a host sync
     (:class:`HostSyncError`); when a :func:`breakable_attention` implementation meets a
-    sliding-window layer at capture; and by :func:`check_divergence` called inside a capture. The
+    sliding-window layer it cannot capture (not a ``StaticCache``'s, a step of several tokens,
+    a compiled step); and by :func:`check_divergence` called inside a capture. The
     message says what to do: run eagerly, capture again after ``reset()``, or move the call
     into an :func:`eager_on_graph` break.
     """

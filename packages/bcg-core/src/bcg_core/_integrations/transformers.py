@@ -10,7 +10,8 @@ slot). :func:`breakable_attention` therefore registers both, under one name.
 The break is the attention call alone (for ``sdpa``, the kernel call alone): the Q/K/V
 projections, RoPE and the KV-cache update (``StaticCache`` writes in place, in the graph) are
 captured; at replay the break runs again on the capture-time query and the cache tensors, which
-a static cache keeps at fixed addresses.
+a static cache keeps at fixed addresses. Sliding-window cache layers, whose position is a Python
+int, add breaks of their own (``sliding_window.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from bcg_core._capture.breaks import breaks_observed, eager_on_graph
 from bcg_core._capture.context import is_breakable_capture_active
 from bcg_core._capture.flag import is_in_breakable_cuda_graph
 from bcg_core._errors import CaptureError
+from bcg_core._integrations import sliding_window
 
 logger = logging.getLogger("bcg_core")
 
@@ -65,8 +67,12 @@ def breakable_attention(base: str = "sdpa") -> str:
     layer (the ``scaled_dot_product_attention`` call where torch picks its math backend).
     Registering is process-wide, idempotent and additive (no existing name changes).
 
-    Capturing a layer with sliding-window attention raises :class:`CaptureError`: transformers
-    keeps those layers' cache position in a Python int, which a graph would freeze.
+    Sliding-window layers of a ``StaticCache`` are captured for one-token steps: transformers
+    keeps their position in a Python int, so their cache update is a break and their position
+    (for RoPE and the sliding mask) the output of one more break per forward (see
+    ``sliding_window.py``). Capturing a sliding-window layer any other way (another cache, a
+    chunked layer, a step of several tokens, a ``torch.compile``d step) raises
+    :class:`CaptureError`.
 
     Args:
         base: the implementation to wrap (default ``"sdpa"``), optionally with the ``paged|``
@@ -82,6 +88,7 @@ def breakable_attention(base: str = "sdpa") -> str:
             run under another name.
     """
     attention_interface, mask_interface = _interfaces()
+    sliding_window.install()
     paged = base.startswith(_PAGED)
     plain = base.removeprefix(_PAGED)
     if plain.startswith(PREFIX):
@@ -163,7 +170,7 @@ def _make_breakable(
             return function(module, *args, **kwargs)
         capturing = is_breakable_capture_active()
         if capturing:
-            _refuse_sliding_window(module, kwargs)
+            sliding_window.refuse_unless_captured(module, kwargs)
         if not kernel_only:
             return as_break(module, *args, **kwargs)
         if not capturing and not breaks_observed():
@@ -187,13 +194,14 @@ def _make_breakable(
     # the capture: at run time the op runs a gated break of the sdpa call (the whole call, mask
     # conversion included: the fused kernel cannot be singled out below a custom op, where
     # Python dispatch modes do not reach). A sliding-window layer's reason, read at trace time
-    # from the module, is passed along, and the op refuses a capture with it.
+    # from the module, is passed along, and the op refuses a capture with it (compiled, the
+    # sliding cache layer's Python int position is traced, not a break).
     sdpa_compiled = eager_on_graph(name=label, gated=True)(_sdpa)
 
     def run_sdpa(layer: tuple[str, int, str | None], *args: Any, **kwargs: Any) -> Any:
         cls, index, why = layer
         if why is not None and is_in_breakable_cuda_graph() and is_breakable_capture_active():
-            raise _sliding_window_error(cls, index, why)
+            raise sliding_window.compiled_error(cls, index, why)
         return sdpa_compiled(*args, **kwargs)
 
     def fake_sdpa(layer: tuple[str, int, str | None], *args: Any, **kwargs: Any) -> Any:
@@ -207,7 +215,7 @@ def _make_breakable(
             return attention(module, *args, **kwargs)
         if kernel_only:
             layer = (type(module).__name__, getattr(module, "layer_idx", -1))
-            with _SdpaAsOpaqueOp(sdpa_id, (*layer, _sliding_window(module, kwargs))):
+            with _SdpaAsOpaqueOp(sdpa_id, (*layer, sliding_window.reason(module, kwargs))):
                 return function(module, *args, **kwargs)
         return graph_broken(module, *args, **kwargs)  # other bases read any module attribute
 
@@ -254,37 +262,6 @@ class _SdpaAsOpaqueOp(TorchFunctionMode):
 _is_compiling = torch.compiler.is_compiling
 
 
-_WINDOWED_LAYERS = ("sliding_attention", "chunked_attention")
-
-
-def _sliding_window(module: Any, kwargs: dict[str, Any]) -> str | None:
-    """Why this attention layer attends through a window (in words), or None for full
-    attention. Read from what the model says, not from the call alone: the call's
-    ``sliding_window=`` (Mistral, Phi-3, Gemma), the module's ``sliding_window`` (Qwen2-MoE sets
-    it on sliding layers and passes it through the mask only), the config's ``layer_types``
-    entry for this layer (Gemma 2/3, Qwen2, Qwen2-MoE, Cohere 2, Llama 4's chunked layers...),
-    else the config's ``sliding_window`` unless ``use_sliding_window`` is off. Qwen2-style
-    configs write 0 or None for "no window"."""
-    window = kwargs.get("sliding_window")
-    if window:
-        return f"sliding_window={window} in the attention call"
-    window = getattr(module, "sliding_window", None)
-    if window:
-        return f"{type(module).__name__}.sliding_window={window}"
-    config = getattr(module, "config", None)
-    if config is None:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    layer = getattr(module, "layer_idx", None)
-    if layer_types and isinstance(layer, int) and 0 <= layer < len(layer_types):
-        kind = layer_types[layer]
-        return f"config.layer_types[{layer}]={kind!r}" if kind in _WINDOWED_LAYERS else None
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        return f"config.sliding_window={window}"
-    return None
-
-
 def _mask_as_break(mask: Callable[..., Any], name: str) -> Callable[..., Any]:
     """``mask`` as one break under the flag: it runs eagerly at every replay, reading the
     cache position tensor at its captured address, and the next segment reads its output."""
@@ -297,28 +274,6 @@ def _mask_as_break(mask: Callable[..., Any], name: str) -> Callable[..., Any]:
 
     mask_function.__name__ = mask_function.__qualname__ = f"{name}_mask"
     return mask_function
-
-
-def _refuse_sliding_window(module: Any, kwargs: dict[str, Any]) -> None:
-    """Sliding-window layers cannot be captured: transformers keeps their cache position in a
-    Python int (``StaticSlidingWindowLayer.cumulative_length_int``; the mask's query offset and
-    the model's positions come from it), which a graph freezes. Every replay at another
-    position would then attend with the capture's mask: wrong logits, no error."""
-    why = _sliding_window(module, kwargs)
-    if why is not None:
-        raise _sliding_window_error(type(module).__name__, getattr(module, "layer_idx", "?"), why)
-
-
-def _sliding_window_error(cls: str, layer: object, why: str) -> CaptureError:
-    return CaptureError(
-        f"{cls} (layer {layer}) uses sliding-window attention ({why}): transformers keeps the "
-        "position of sliding-window cache layers in a Python int, which a graph would freeze, "
-        "so every replay at another position would use the capture's mask and positions. "
-        "Capture only full-attention models: when the context never exceeds the window, build "
-        "the model with config.sliding_window = None (Mistral, Phi-3), use_sliding_window = "
-        'False (Qwen2, Qwen2-MoE) or every layer_types entry "full_attention"; otherwise run '
-        "this model eagerly."
-    )
 
 
 def _sdpa(*args: Any, **kwargs: Any) -> Any:
