@@ -84,6 +84,9 @@ def make_attention_ops_breakable(model: torch.nn.Module) -> PatchHandle:
 
     Covers models calling ``dispatch_attention_fn`` (any backend) and processors calling
     ``F.scaled_dot_product_attention``; see the module docstring for what is patched and why.
+    A processor whose ``__call__`` reads tensor values on the host (``nonzero``, ``.item()``,
+    ``.tolist()``, ``.cpu()`` ...: Mochi's per-sample prompt mask) cannot be captured around
+    its op, so its whole ``__call__`` is the break instead (projections included).
     Each patched name holds one more reference per call, so several runners can share a model
     class. Not covered: code calling ``torch.nn.functional.scaled_dot_product_attention`` by its
     full path, and attention that is no sdpa (Sana's linear self-attention, which is all matmuls
@@ -100,7 +103,10 @@ def make_attention_ops_breakable(model: torch.nn.Module) -> PatchHandle:
         ValueError: no module of the model calls an attention op it knows (nothing is
             patched); the message names the fallback, :func:`install_breakable_attention`.
     """
-    patches: list[tuple[Any, str, Any]] = []
+    patches: list[tuple[Any, str, Any]] = [
+        (cls, "__call__", make_breakable_attention_forward)
+        for cls in _host_reading_processors(model)
+    ]
     for module in _source_modules(model):
         if callable(vars(module).get(_DISPATCH)):
             patches.append((module, _DISPATCH, make_breakable_attention_forward))
@@ -116,6 +122,48 @@ def make_attention_ops_breakable(model: torch.nn.Module) -> PatchHandle:
             "install_breakable_attention(cls) instead"
         )
     return PatchHandle.patch_all(patches)
+
+
+# Names whose call waits for the device (a value read on the host, or an output shape that
+# depends on values): a processor whose __call__ names one cannot have its code captured.
+_HOST_READS = frozenset(
+    {"nonzero", "item", "tolist", "cpu", "numpy", "masked_select", "unique", "bincount", "argwhere"}
+)
+
+
+# __call__s that run no attention (nn.Module's hook dispatcher).
+_NOT_PROCESSOR_CALLS = (torch.nn.Module.__call__,)
+
+
+def _host_reading_processors(model: torch.nn.Module) -> list[type]:
+    """Classes of the model's attention processors whose ``__call__`` reads tensor values on
+    the host (Mochi's per-sample ``nonzero`` over the prompt mask): the whole ``__call__``
+    becomes the break (projections included), since its code cannot be captured."""
+    found: dict[type, None] = {}
+    for sub in model.modules():
+        processor = getattr(sub, "processor", None)
+        if processor is None or isinstance(processor, type):
+            continue
+        cls = type(processor)
+        if cls in found:
+            continue
+        calls = (vars(k)["__call__"] for k in cls.__mro__ if "__call__" in vars(k))
+        call = next((c for c in calls if c not in _NOT_PROCESSOR_CALLS), None)
+        code = getattr(call, "__code__", None)
+        if isinstance(code, types.CodeType) and _names_any(code, _HOST_READS):
+            found[cls] = None
+    return list(found)
+
+
+def _names_any(code: types.CodeType, names: frozenset[str]) -> bool:
+    """Whether ``code`` or a function nested in it names one of ``names``."""
+    codes = [code]
+    while codes:
+        c = codes.pop()
+        if names.intersection(c.co_names):
+            return True
+        codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return False
 
 
 def _is_breakable_functional(value: Any) -> bool:
@@ -161,9 +209,4 @@ def _calls_sdpa(module: types.ModuleType) -> bool:
             code = getattr(func, "__code__", None)
             if isinstance(code, types.CodeType):
                 codes.append(code)
-    while codes:
-        code = codes.pop()
-        if _SDPA in code.co_names:
-            return True
-        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-    return False
+    return any(_names_any(code, frozenset({_SDPA})) for code in codes)

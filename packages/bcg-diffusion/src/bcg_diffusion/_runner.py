@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from bcg_core import BreakableGraphRunner, DivergenceReport, PatchHandle
 from bcg_diffusion._attention import patch_attention_classes
 from bcg_diffusion._tokens import ReplayTokenScope
+
+logger = logging.getLogger("bcg_diffusion")
 
 
 class DiTRunner(BreakableGraphRunner):
@@ -87,6 +90,9 @@ class DiTRunner(BreakableGraphRunner):
             patches.append(breakable_attention)
         self._patches: list[PatchHandle] = patches
         self._return_dict_default = _return_dict_default(model)
+        # Whether the model's return_dict=False form is a tuple (diffusers' convention, which
+        # to_tuple() reproduces): learnt from one eager call the first time it matters.
+        self._false_is_tuple: bool | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model through the graph captured for this call's signature.
@@ -103,7 +109,7 @@ class DiTRunner(BreakableGraphRunner):
             The model's output (a replay's, or an eager run's on a miss).
         """
         # The usual call has no return_dict: told without a frame before the replay's launch.
-        as_tuple = "return_dict" in kwargs and self._pop_format(kwargs)
+        as_tuple = "return_dict" in kwargs and self._pop_format(kwargs, args)
         out = super().__call__(*args, **kwargs)
         return out.to_tuple() if as_tuple else out
 
@@ -120,13 +126,13 @@ class DiTRunner(BreakableGraphRunner):
             The :class:`bcg_core.DivergenceReport`.
         """
         if "return_dict" in kwargs:
-            self._pop_format(kwargs)
+            self._pop_format(kwargs, args)
         return super().check_divergence(*args, **kwargs)
 
-    def _pop_format(self, kwargs: dict[str, Any]) -> bool:
+    def _pop_format(self, kwargs: dict[str, Any], args: tuple[Any, ...]) -> bool:
         """Drop ``return_dict`` (the caller found it in ``kwargs``) from a call's keywords (the
         model's default then applies); True when the caller asked for the tuple form of a
-        dict-returning model."""
+        dict-returning model whose ``return_dict=False`` form is a tuple."""
         default = self._return_dict_default
         if default is None:
             return False
@@ -135,9 +141,29 @@ class DiTRunner(BreakableGraphRunner):
             del kwargs["return_dict"]
             return False
         if default is True and wanted is False:
-            del kwargs["return_dict"]
-            return True
+            if self._false_is_tuple is None:
+                self._false_is_tuple = self._probe_tuple_form(args, kwargs)
+            if self._false_is_tuple:
+                del kwargs["return_dict"]
+                return True
         return False  # another value: passed on, and part of the signature
+
+    def _probe_tuple_form(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Run the model once eagerly with ``return_dict=False`` (the first time a call asks
+        for it) and say whether that form is a tuple. Not every model follows diffusers'
+        convention: Kandinsky 5 returns the bare tensor, which ``to_tuple()`` would wrap (and
+        ``out[0]`` then index the batch). A model that does not keeps ``return_dict=False`` in
+        the call and in its signature, so it replays its own graph of its own output."""
+        out = self.module(*args, **kwargs)
+        if isinstance(out, tuple):
+            return True
+        logger.info(
+            "bcg: %s returns %s for return_dict=False, not a tuple: calls passing "
+            "return_dict=False get their own graph",
+            type(self.module).__name__,
+            type(out).__name__,
+        )
+        return False
 
     def close(self) -> None:
         """Drop all graphs and release this runner's attention patches (idempotent).
