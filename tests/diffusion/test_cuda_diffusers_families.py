@@ -1,0 +1,93 @@
+"""The diffusers families of ``test_cpu_diffusers_families`` on a real GPU (bf16): every
+attention op a break (Mochi's host-reading processor one whole break), replays of new latents
+and timesteps equal eager bit for bit, and the host-reading models refused and served eagerly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.utils._pytree as pytree  # noqa: PLC2701
+
+from bcg_core import is_in_breakable_cuda_graph
+from bcg_diffusion import DiTRunner, make_attention_ops_breakable
+
+pytest.importorskip(
+    "diffusers", reason='diffusers is not installed (pip install "bcg-diffusion[diffusers]")'
+)
+
+from test_cpu_diffusers import attention_ops
+from test_cpu_diffusers_families import FAMILIES, HOST_READERS, REPLAYED, UNPATCHED_OPS
+
+pytestmark = pytest.mark.cuda
+
+_DTYPE = torch.bfloat16
+
+
+def _on_cuda(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to("cuda", _DTYPE if value.is_floating_point() else None)
+    return value
+
+
+def _cuda_step(family: str) -> tuple[torch.nn.Module, Callable[..., torch.Tensor], torch.Tensor]:
+    model, kwargs, latents = FAMILIES[family]()
+    model = model.to("cuda", _DTYPE).eval()
+
+    def step(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        out = model(**pytree.tree_map(_on_cuda, kwargs(x, t)), return_dict=False)
+        out = out[0] if isinstance(out, tuple) else out
+        return torch.stack(out) if isinstance(out, list) else out
+
+    return model, step, _on_cuda(latents)
+
+
+def _calls(latents: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    xs = [latents] + [
+        torch.randn(latents.shape, generator=gen, device="cuda", dtype=_DTYPE) for _ in range(2)
+    ]
+    return [(x, torch.full((1,), 1.0 - i / 3, device="cuda")) for i, x in enumerate(xs)]
+
+
+@pytest.mark.parametrize("family", REPLAYED)
+def test_family_on_cuda_breaks_at_every_attention_op_and_replays_equal_eager(family: str) -> None:
+    torch.manual_seed(0)
+    model, step, latents = _cuda_step(family)
+    ops = attention_ops(step, latents)
+    calls = _calls(latents)
+    with torch.no_grad():
+        expected = [step(*c) for c in calls]
+        runner = DiTRunner(step, breakable_attention=make_attention_ops_breakable(model))
+        try:
+            runner.capture(latents, torch.ones(1, device="cuda"))
+            (entry,) = runner.stats.entries
+            assert entry.breaks == ops - UNPATCHED_OPS.get(family, 0) > 0
+            got = [runner(*c) for c in calls]
+            assert runner.stats.hits == len(calls) and runner.stats.misses == 0
+        finally:
+            runner.close()
+        assert not is_in_breakable_cuda_graph()
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+
+
+@pytest.mark.parametrize("family", sorted(HOST_READERS))
+def test_host_reading_family_on_cuda_is_refused_and_served_eagerly(family: str) -> None:
+    torch.manual_seed(0)
+    model, step, latents = _cuda_step(family)
+    calls = _calls(latents)
+    with torch.no_grad():
+        expected = [step(*c) for c in calls]
+        runner = DiTRunner(step, breakable_attention=make_attention_ops_breakable(model))
+        try:
+            runner.capture(latents, torch.ones(1, device="cuda"))
+            (why,) = runner.blocked_signatures.values()
+            assert "CaptureError" in why
+            got = [runner(*c) for c in calls]
+        finally:
+            runner.close()
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
