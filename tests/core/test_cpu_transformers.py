@@ -301,6 +301,10 @@ def test_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -
 # layers' buffers hold 16 tokens, the full layers' 64, so decode crosses the window).
 WINDOW = 16
 WINDOWED: dict[str, Callable[[], Any]] = {
+    # Exaone 4 sets sliding_window on every attention module and says which slide (is_sliding)
+    "exaone4": lambda: transformers.Exaone4Config(
+        **{**SMALL, "num_hidden_layers": 4}, sliding_window=WINDOW
+    ),
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=WINDOW),
     "gemma2": lambda: transformers.Gemma2Config(
         **SMALL, head_dim=16, pad_token_id=0, sliding_window=WINDOW
@@ -320,7 +324,9 @@ WINDOWED: dict[str, Callable[[], Any]] = {
     "phi3": lambda: transformers.Phi3Config(**SMALL, pad_token_id=0, sliding_window=WINDOW),
 }  # fmt: skip
 # The mask functions a forward calls (as breaks, for bases other than sdpa): one per mask kind.
-WINDOWED_MASKS = {"mistral": 1, "phi3": 1, "gemma2": 2, "gemma3": 2, "qwen2": 2, "qwen2_moe": 2}
+WINDOWED_MASKS = {
+    "exaone4": 2, "mistral": 1, "phi3": 1, "gemma2": 2, "gemma3": 2, "qwen2": 2, "qwen2_moe": 2,
+}  # fmt: skip
 
 
 def _windowed(family: str, base: str = "sdpa") -> Any:

@@ -143,7 +143,9 @@ def _children(obj: Any, kind: str) -> tuple[list[Any], Any]:
         return list(children), context
     if kind == _DATACLASS:
         names = tuple(f.name for f in dataclasses.fields(obj))
-        return [getattr(obj, n) for n in names], names
+        # the stored values, past any __getattribute__ of the class (as _attributes reads
+        # __dict__): transformers' per-layer configs (Gemma 4) refuse a plain read of some fields
+        return [object.__getattribute__(obj, n) for n in names], names
     attrs = _attributes(obj)
     return list(attrs.values()), tuple(attrs)
 

@@ -28,7 +28,10 @@ on the host (``aten._local_scalar_dense``, which ``.item()``, ``bool()``, ``int(
 dispatch nothing on CPU tensors: ``Tensor.tolist``, ``Tensor.numpy`` and ``Tensor.__repr__``
 (printing). The latter are caught by wrappers installed on ``torch.Tensor`` while any CPU
 segment is being captured (refcounted, always removed); they act only in the context that is
-capturing.
+capturing. So is ``torch.cuda.is_current_stream_capturing``, which answers True in that context,
+as it does inside a CUDA capture: code that takes another path under a capture (transformers'
+``is_tracing()`` skips GPT-2's padding check, a host read, and mask shortcuts) takes the
+capture's path on the CPU backend too.
 """
 
 from __future__ import annotations
@@ -137,6 +140,7 @@ _hooks_lock = threading.Lock()
 _hooks_refcount = 0
 _INHERITED = object()
 _saved: dict[str, Any] = {}
+_saved_capturing = torch.cuda.is_current_stream_capturing
 
 
 def _hook(name: str, reason: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -154,15 +158,26 @@ def _hook(name: str, reason: str, original: Callable[..., Any]) -> Callable[...,
     return hooked
 
 
+def _capturing_hook(original: Callable[[], bool]) -> Callable[[], bool]:
+    def is_current_stream_capturing() -> bool:
+        return _ACTIVE.get() is not None or original()
+
+    is_current_stream_capturing.__doc__ = original.__doc__
+    return is_current_stream_capturing
+
+
 @contextlib.contextmanager
 def host_read_hooks() -> Iterator[None]:
-    """Wrap ``Tensor.tolist``/``numpy``/``__repr__`` for the enclosed block (refcounted)."""
-    global _hooks_refcount
+    """Wrap ``Tensor.tolist``/``numpy``/``__repr__`` and ``torch.cuda.is_current_stream_capturing``
+    for the enclosed block (refcounted)."""
+    global _hooks_refcount, _saved_capturing
     with _hooks_lock:
         if _hooks_refcount == 0:
             for name, reason in _PYTHON_READS.items():
                 _saved[name] = torch.Tensor.__dict__.get(name, _INHERITED)
                 setattr(torch.Tensor, name, _hook(name, reason, getattr(torch.Tensor, name)))
+            _saved_capturing = torch.cuda.is_current_stream_capturing
+            torch.cuda.is_current_stream_capturing = _capturing_hook(_saved_capturing)
         _hooks_refcount += 1
     try:
         yield
@@ -176,6 +191,7 @@ def host_read_hooks() -> Iterator[None]:
                     else:
                         setattr(torch.Tensor, name, own)
                 _saved.clear()
+                torch.cuda.is_current_stream_capturing = _saved_capturing
 
 
 # -- recording ------------------------------------------------------------------------------------

@@ -248,7 +248,7 @@ def reason(module: Any, kwargs: dict[str, Any]) -> str | None:
     if window:
         return f"sliding_window={window} in the attention call"
     window = getattr(module, "sliding_window", None)
-    if window:
+    if window and getattr(module, "is_sliding", True) is not False:  # Exaone 4: set on all
         return f"{type(module).__name__}.sliding_window={window}"
     config = getattr(module, "config", None)
     if config is None:
