@@ -85,12 +85,18 @@ COMPILED = (
 )
 
 
-def _model(family: str, attn: str, **overrides: Any) -> Any:
+def model_of(
+    family: str,
+    attn: str,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> Any:
     torch.manual_seed(0)
     config = CONFIG_MAPPING[family](**{**FAMILIES[family], **overrides})
     return transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation=attn, dtype=torch.float32
-    ).eval()
+        config, attn_implementation=attn, dtype=dtype
+    ).to(device).eval()  # fmt: skip
 
 
 def cache_tensors(cache: Any) -> list[torch.Tensor]:
@@ -113,17 +119,19 @@ def _prefilled(model: Any, prompt: torch.Tensor) -> Any:
     return cache
 
 
-def _decode(model: Any, steps: int = 6) -> tuple[BreakableGraphRunner, int]:
+def decode(model: Any, steps: int = 6) -> tuple[BreakableGraphRunner, int]:
     """Greedy decode: the runner's replays against eager on its own cache, bitwise, per step;
-    returns the runner and the breaks of its one graph."""
+    returns the runner and the breaks of its one graph (on the model's device)."""
+    device = str(model.device)
     prompt = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    prompt = prompt.to(device)
     cache, reference = _prefilled(model, prompt), _prefilled(model, prompt)
 
     def step(ids: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
         return logits
 
-    runner = BreakableGraphRunner(step, device="cpu", warmup_iters=1)
+    runner = BreakableGraphRunner(step, device=device, warmup_iters=1)
     ids = prompt[:, -1:].flip(0)
     with torch.no_grad():
         saved = [t.clone() for t in cache_tensors(cache)]
@@ -144,15 +152,15 @@ def _decode(model: Any, steps: int = 6) -> tuple[BreakableGraphRunner, int]:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_sdpa_decode_replays_equal_eager(family: str) -> None:
-    model = _model(family, bcg_core.breakable_attention("sdpa"))
-    _, breaks = _decode(model)
+    model = model_of(family, bcg_core.breakable_attention("sdpa"))
+    _, breaks = decode(model)
     assert breaks == model.config.num_hidden_layers * SDPA_CALLS_PER_LAYER.get(family, 1)
 
 
 @pytest.mark.parametrize("family", EAGER)
 def test_eager_decode_replays_equal_eager(family: str) -> None:
-    model = _model(family, bcg_core.breakable_attention("eager"))
-    _, breaks = _decode(model)
+    model = model_of(family, bcg_core.breakable_attention("eager"))
+    _, breaks = decode(model)
     assert breaks > model.config.num_hidden_layers  # the layers, and the mask function(s)
 
 
@@ -162,7 +170,7 @@ def test_compiled_decode_is_one_graph_with_no_sliding_reason(family: str) -> Non
     capture would refuse it: Exaone 4's full layers did)."""
     from bcg_core._capture import opaque  # noqa: PLC2701
 
-    model = _model(family, bcg_core.breakable_attention("sdpa"))
+    model = model_of(family, bcg_core.breakable_attention("sdpa"))
     cache = transformers.StaticCache(config=model.config, max_cache_len=32)
 
     def step(ids: torch.Tensor) -> torch.Tensor:
