@@ -527,7 +527,7 @@ def kandinsky5():
         axes_dims=(8, 4, 4),
     )
     text, pooled = R(1, 8, 16), R(1, 8)
-    trp = torch.arange(8)
+    trp, vrp = torch.arange(8), (torch.arange(2), torch.arange(4), torch.arange(4))
     return (
         m,
         lambda x, t: dict(
@@ -535,7 +535,7 @@ def kandinsky5():
             encoder_hidden_states=text,
             timestep=t * 1000,
             pooled_projections=pooled,
-            visual_rope_pos=(torch.arange(2), torch.arange(4), torch.arange(4)),
+            visual_rope_pos=vrp,
             text_rope_pos=trp,
         ),
         R(1, 2, 8, 8, 4),
@@ -781,9 +781,10 @@ def dit():
         patch_size=2,
         num_embeds_ada_norm=10,
     )
+    labels = torch.tensor([1])
     return (
         m,
-        lambda x, t: dict(hidden_states=x, timestep=(t * 9).long(), class_labels=torch.tensor([1])),
+        lambda x, t: dict(hidden_states=x, timestep=(t * 9).long(), class_labels=labels),
         R(1, 4, 8, 8),
     )
 

@@ -35,9 +35,19 @@ def _on_cuda(value: Any) -> Any:
 def _cuda_step(family: str) -> tuple[torch.nn.Module, Callable[..., torch.Tensor], torch.Tensor]:
     model, kwargs, latents = FAMILIES[family]()
     model = model.to("cuda", _DTYPE).eval()
+    # The families' constant inputs (text embeddings, masks) are CPU tensors made once: moved
+    # once, on the first (eager) call, since a capture may not copy pageable host memory.
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def on_cuda(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.is_cuda:
+            return value
+        if id(value) not in moved:
+            moved[id(value)] = (value, _on_cuda(value))
+        return moved[id(value)][1]
 
     def step(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        out = model(**pytree.tree_map(_on_cuda, kwargs(x, t)), return_dict=False)
+        out = model(**pytree.tree_map(on_cuda, kwargs(x, t)), return_dict=False)
         out = out[0] if isinstance(out, tuple) else out
         return torch.stack(out) if isinstance(out, list) else out
 
@@ -84,8 +94,7 @@ def test_host_reading_family_on_cuda_is_refused_and_served_eagerly(family: str) 
         runner = DiTRunner(step, breakable_attention=make_attention_ops_breakable(model))
         try:
             runner.capture(latents, torch.ones(1, device="cuda"))
-            (why,) = runner.blocked_signatures.values()
-            assert "CaptureError" in why
+            assert len(runner.blocked_signatures) == 1 and runner.stats.entries == ()
             got = [runner(*c) for c in calls]
         finally:
             runner.close()
