@@ -1,6 +1,9 @@
-"""The diffusers families of ``test_cpu_diffusers_families`` on a real GPU (bf16): every
-attention op a break (Mochi's host-reading processor one whole break), replays of new latents
-and timesteps equal eager bit for bit, and the host-reading models refused and served eagerly."""
+"""The diffusers families of ``test_cpu_diffusers_families`` on a real GPU (float32, as on the
+CPU: some families feed the timestep to their embedders as given): every attention op a break
+(Mochi's host-reading processor one whole break), replays of new latents and timesteps equal
+eager bit for bit, and the models that cannot be captured refused and served eagerly, equal.
+Some only on CUDA: they copy pageable host tensors to the device inside the forward (rotary
+tables built on the host), which the CPU backend cannot see (there is no copy there)."""
 
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ from test_cpu_diffusers_families import FAMILIES, HOST_READERS, REPLAYED, UNPATC
 
 pytestmark = pytest.mark.cuda
 
-_DTYPE = torch.bfloat16
+_DTYPE = torch.float32
+# Capture fails on CUDA only: "Cannot copy between CPU and CUDA tensors during CUDA graph capture"
+CUDA_HOST_COPIES = {"chroma", "chronoedit", "cogview4", "ltx2", "qwenimage"}
 
 
 def _on_cuda(value: Any) -> Any:
@@ -62,7 +67,7 @@ def _calls(latents: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x, torch.full((1,), 1.0 - i / 3, device="cuda")) for i, x in enumerate(xs)]
 
 
-@pytest.mark.parametrize("family", REPLAYED)
+@pytest.mark.parametrize("family", sorted(set(REPLAYED) - CUDA_HOST_COPIES))
 def test_family_on_cuda_breaks_at_every_attention_op_and_replays_equal_eager(family: str) -> None:
     torch.manual_seed(0)
     model, step, latents = _cuda_step(family)
@@ -84,8 +89,8 @@ def test_family_on_cuda_breaks_at_every_attention_op_and_replays_equal_eager(fam
         assert torch.equal(e, g)
 
 
-@pytest.mark.parametrize("family", sorted(HOST_READERS))
-def test_host_reading_family_on_cuda_is_refused_and_served_eagerly(family: str) -> None:
+@pytest.mark.parametrize("family", sorted(set(HOST_READERS) | CUDA_HOST_COPIES))
+def test_uncapturable_family_on_cuda_is_refused_and_served_eagerly(family: str) -> None:
     torch.manual_seed(0)
     model, step, latents = _cuda_step(family)
     calls = _calls(latents)
@@ -94,7 +99,10 @@ def test_host_reading_family_on_cuda_is_refused_and_served_eagerly(family: str) 
         runner = DiTRunner(step, breakable_attention=make_attention_ops_breakable(model))
         try:
             runner.capture(latents, torch.ones(1, device="cuda"))
-            assert len(runner.blocked_signatures) == 1 and runner.stats.entries == ()
+            (why,) = runner.blocked_signatures.values()
+            assert runner.stats.entries == ()
+            if family in CUDA_HOST_COPIES:
+                assert "Cannot copy between CPU and CUDA tensors" in why
             got = [runner(*c) for c in calls]
         finally:
             runner.close()
