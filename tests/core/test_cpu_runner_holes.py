@@ -166,3 +166,33 @@ def test_calls_while_graphs_are_disabled_count_as_misses() -> None:
             assert torch.equal(runner(x), x * 2)
     stats = runner.stats
     assert (stats.hits, stats.misses, stats.captures) == (3, 3, 1)
+
+
+def test_a_raw_capture_refusal_says_what_to_do() -> None:
+    # torch's own message for a pageable host-to-device copy in a CUDA capture names no fix;
+    # the capture's note and the runner's reason add one (raised here as torch raises it).
+    from bcg_core import BreakableCUDAGraph, BreakableCUDAGraphCapture, is_breakable_capture_active
+
+    message = (
+        "Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU "
+        "tensor is pinned."
+    )
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        if is_breakable_capture_active():
+            raise RuntimeError(message)
+        return x + 1
+
+    graph = BreakableCUDAGraph(backend="cpu")
+    with (
+        pytest.raises(RuntimeError, match="Cannot copy") as caught,
+        BreakableCUDAGraphCapture(graph),
+    ):
+        step(torch.ones(2))
+    assert any("Build that tensor on the device" in note for note in caught.value.__notes__)
+    runner = BreakableGraphRunner(step, device="cpu", warmup_iters=0)
+    x = torch.ones(2)
+    assert torch.equal(runner.capture(x), x + 1)
+    (why,) = runner.blocked_signatures.values()
+    assert why.startswith("RuntimeError: Cannot copy") and "@eager_on_graph" in why
+    assert torch.equal(runner(x), x + 1)

@@ -168,3 +168,24 @@ def test_a_pool_that_is_no_pool_is_refused_and_a_pool_handle_is_taken() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, torch.full((3,), 5.0, device="cuda"))
+
+
+def test_a_host_tensor_copied_in_a_segment_is_refused_with_what_to_do() -> None:
+    """A tensor built on the host and moved to the GPU inside the step (diffusers' rotary
+    tables in QwenImage, LTX-2...): torch refuses the pageable copy in a capture; bcg's note and
+    the runner's reason say what to do, and the runner serves the step eagerly, equal."""
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.arange(4, dtype=x.dtype).to("cuda")
+
+    graph = BreakableCUDAGraph()
+    x = torch.ones(4, device="cuda")
+    refused = pytest.raises(RuntimeError, match="Cannot copy between CPU and CUDA")
+    with refused as caught, enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        step(x)
+    assert any("Build that tensor on the device" in note for note in caught.value.__notes__)
+    runner = BreakableGraphRunner(step, warmup_iters=1)
+    assert torch.equal(runner.capture(x), step(x))
+    (why,) = runner.blocked_signatures.values()
+    assert "Cannot copy between CPU and CUDA" in why and "@eager_on_graph" in why
+    assert torch.equal(runner(x), step(x))

@@ -10,6 +10,31 @@ BCG_FAILURE_HINT = (
     "into an @eager_on_graph function."
 )
 
+# torch's messages for work a CUDA capture refuses, and what to do about each.
+_CAPTURE_REFUSALS = (
+    (
+        "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
+        "bcg: a segment copies a host tensor to the GPU (a tensor built on the CPU, then "
+        ".to('cuda')): a graph would replay the capture's values. Build that tensor on the "
+        "device or once before the capture, or move the code that makes it into an "
+        "@eager_on_graph function.",
+    ),
+    (
+        "operation not permitted when stream is capturing",
+        "bcg: a segment synchronises with the host (.item(), .tolist(), .cpu(), printing a "
+        "tensor, a data-dependent shape such as nonzero()): move that call into an "
+        "@eager_on_graph function, or run this step eagerly.",
+    ),
+)
+
+
+def capture_refusal_hint(exc: BaseException) -> str | None:
+    """What to do about a raw CUDA capture refusal ``exc`` (torch's own error), or None."""
+    if not isinstance(exc, RuntimeError) or isinstance(exc, BreakableGraphError):
+        return None
+    text = str(exc)
+    return next((hint for message, hint in _CAPTURE_REFUSALS if message in text), None)
+
 
 class BreakableGraphError(RuntimeError):
     """Base class for errors raised by bcg_core itself (never for errors raised by user code).

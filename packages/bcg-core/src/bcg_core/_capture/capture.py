@@ -36,6 +36,7 @@ from bcg_core._errors import (
     CaptureError,
     ConcurrentCaptureError,
     UnjoinedStreamError,
+    capture_refusal_hint,
 )
 
 logger = logging.getLogger("bcg_core")
@@ -477,6 +478,9 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
         others = captures_on_other_threads(state.thread)
         if hasattr(exc, "add_note"):  # Python >= 3.11
             exc.add_note(f"bcg: raised {state.where} of a breakable CUDA graph capture")
+            hint = capture_refusal_hint(exc)
+            if hint is not None:
+                exc.add_note(hint)
         try:
             state.abort()
         finally:

@@ -24,7 +24,7 @@ from bcg_core._capture.graph import BreakableCUDAGraph
 from bcg_core._capture.modes import autocast_state
 from bcg_core._diagnostics.divergence import runner_divergence
 from bcg_core._diagnostics.divergence_report import DivergenceReport
-from bcg_core._errors import ConcurrentCaptureError
+from bcg_core._errors import ConcurrentCaptureError, capture_refusal_hint
 from bcg_core._runner.calls import Call, call_bytes, call_shapes, check_call
 from bcg_core._runner.capture_entry import capture_entry
 from bcg_core._runner.entry import Entry
@@ -685,13 +685,14 @@ class BreakableGraphRunner:
                 exc,
             )
             return self.module(*call[0], **call[1])
-        self._blocked[sig] = f"{type(exc).__name__}: {exc}"
+        hint = capture_refusal_hint(exc)
+        why = f"{type(exc).__name__}: {exc}" + ("" if hint is None else f" [{hint}]")
+        self._blocked[sig] = why
         logger.warning(
-            "bcg: capture failed for the call with %s (%s: %s); this signature runs eagerly "
+            "bcg: capture failed for the call with %s (%s); this signature runs eagerly "
             "from now on",
             describe_signature(sig),
-            type(exc).__name__,
-            exc,
+            why,
         )
         return self.module(*call[0], **call[1])
 
