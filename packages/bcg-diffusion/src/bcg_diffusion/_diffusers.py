@@ -149,10 +149,30 @@ def _host_reading_processors(model: torch.nn.Module) -> list[type]:
             continue
         calls = (vars(k)["__call__"] for k in cls.__mro__ if "__call__" in vars(k))
         call = next((c for c in calls if c not in _NOT_PROCESSOR_CALLS), None)
-        code = getattr(call, "__code__", None)
-        if isinstance(code, types.CodeType) and _names_any(code, _HOST_READS):
+        if any(_names_any(code, _HOST_READS) for code in _codes_of(call)):
             found[cls] = None
     return list(found)
+
+
+# Wrapper layers looked through for a function's code (a guard against self-referencing ones).
+_MAX_UNWRAP = 32
+
+
+def _codes_of(func: Any) -> list[types.CodeType]:
+    """The code of ``func`` and of every function it wraps: a staticmethod's or classmethod's
+    ``__func__``, a decorator's ``__wrapped__`` (bcg's own break included, so a class another
+    handle patched already is still recognised by what its original code names)."""
+    codes: list[types.CodeType] = []
+    for _ in range(_MAX_UNWRAP):
+        if func is None:
+            break
+        func = getattr(func, "__func__", func)
+        code = getattr(func, "__code__", None)
+        if isinstance(code, types.CodeType):
+            codes.append(code)
+        inner = getattr(func, "__wrapped__", None)
+        func = None if inner is func else inner
+    return codes
 
 
 def _names_any(code: types.CodeType, names: frozenset[str]) -> bool:
@@ -205,8 +225,5 @@ def _calls_sdpa(module: types.ModuleType) -> bool:
         else:
             members = [value]
         for member in members:
-            func = getattr(member, "__func__", member)  # staticmethod / classmethod
-            code = getattr(func, "__code__", None)
-            if isinstance(code, types.CodeType):
-                codes.append(code)
+            codes.extend(_codes_of(member))  # through staticmethods and wrappers (bcg's too)
     return any(_names_any(code, frozenset({_SDPA})) for code in codes)

@@ -7,7 +7,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from bcg_core import BreakableGraphRunner, DivergenceReport, PatchHandle
+import torch
+
+from bcg_core import (
+    BreakableGraphRunner,
+    DivergenceReport,
+    PatchHandle,
+    breakable_graphs_disabled,
+)
 from bcg_diffusion._attention import patch_attention_classes
 from bcg_diffusion._tokens import ReplayTokenScope
 
@@ -31,7 +38,10 @@ class DiTRunner(BreakableGraphRunner):
     An output-format flag is not part of a graph's signature: ``return_dict``, when the model
     takes it, is left to the model's default (diffusers: ``True``) at capture and at every
     call, and a call asking ``return_dict=False`` gets ``output.to_tuple()`` of the same
-    output. So ``capture(...)`` and ``runner(..., return_dict=False)`` replay one graph.
+    output. So ``capture(...)`` and ``runner(..., return_dict=False)`` replay one graph. The
+    first such call runs the model once more, eagerly, with ``return_dict=False``, to check
+    that this form is that tuple; a model whose form is another (Kandinsky 5's bare tensor)
+    keeps ``return_dict=False`` in its calls and gets its own graph of its own output.
 
     Typical use::
 
@@ -111,7 +121,11 @@ class DiTRunner(BreakableGraphRunner):
         # The usual call has no return_dict: told without a frame before the replay's launch.
         as_tuple = "return_dict" in kwargs and self._pop_format(kwargs, args)
         out = super().__call__(*args, **kwargs)
-        return out.to_tuple() if as_tuple else out
+        if not as_tuple:
+            return out
+        if as_tuple is True:
+            return out.to_tuple()
+        return self._settle(out, as_tuple)
 
     def check_divergence(self, *args: Any, **kwargs: Any) -> DivergenceReport:
         """Compare eager and replay for this call, as the base runner's check does.
@@ -129,10 +143,11 @@ class DiTRunner(BreakableGraphRunner):
             self._pop_format(kwargs, args)
         return super().check_divergence(*args, **kwargs)
 
-    def _pop_format(self, kwargs: dict[str, Any], args: tuple[Any, ...]) -> bool:
+    def _pop_format(self, kwargs: dict[str, Any], args: tuple[Any, ...]) -> bool | _Probe:
         """Drop ``return_dict`` (the caller found it in ``kwargs``) from a call's keywords (the
         model's default then applies); True when the caller asked for the tuple form of a
-        dict-returning model whose ``return_dict=False`` form is a tuple."""
+        dict-returning model whose ``return_dict=False`` form is its output's ``to_tuple()``;
+        a :class:`_Probe` while that is being learnt (the first such call)."""
         default = self._return_dict_default
         if default is None:
             return False
@@ -141,29 +156,71 @@ class DiTRunner(BreakableGraphRunner):
             del kwargs["return_dict"]
             return False
         if default is True and wanted is False:
-            if self._false_is_tuple is None:
-                self._false_is_tuple = self._probe_tuple_form(args, kwargs)
-            if self._false_is_tuple:
+            known = self._false_is_tuple
+            if known is None:
+                if self._serves_eagerly():
+                    return False  # one eager run of the call as given: nothing to learn from
+                probe = self._probe_tuple_form(args, kwargs)
+                if probe is None:
+                    self._false_is_tuple = False
+                    return False
+                del kwargs["return_dict"]
+                return probe
+            if known:
                 del kwargs["return_dict"]
                 return True
         return False  # another value: passed on, and part of the signature
 
-    def _probe_tuple_form(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    def _serves_eagerly(self) -> bool:
+        """Whether every call runs eagerly now (graphs disabled, the runner disabled, no CUDA
+        for a CUDA runner): a probe would run the model a second time for nothing."""
+        return (
+            self.disabled_reason is not None
+            or breakable_graphs_disabled()
+            or (self.device.type == "cuda" and not torch.cuda.is_available())
+        )
+
+    def _probe_tuple_form(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Probe | None:
         """Run the model once eagerly with ``return_dict=False`` (the first time a call asks
-        for it) and say whether that form is a tuple. Not every model follows diffusers'
-        convention: Kandinsky 5 returns the bare tensor, which ``to_tuple()`` would wrap (and
-        ``out[0]`` then index the batch). A model that does not keeps ``return_dict=False`` in
-        the call and in its signature, so it replays its own graph of its own output."""
+        for it): None when that form is no tuple, else the :class:`_Probe` that
+        :meth:`_settle` checks against ``to_tuple()`` of the call's output. Not every model
+        follows diffusers' convention: Kandinsky 5 returns the bare tensor, which
+        ``to_tuple()`` would wrap (and ``out[0]`` then index the batch). A model that does not
+        keeps ``return_dict=False`` in the call and in its signature, so it replays its own
+        graph of its own output."""
         out = self.module(*args, **kwargs)
         if isinstance(out, tuple):
-            return True
-        logger.info(
-            "bcg: %s returns %s for return_dict=False, not a tuple: calls passing "
-            "return_dict=False get their own graph",
-            type(self.module).__name__,
-            type(out).__name__,
+            return _Probe(out)
+        self._log_own_form(f"a {type(out).__name__}, not a tuple")
+        return None
+
+    def _settle(self, out: Any, probe: _Probe) -> Any:
+        """The first ``return_dict=False`` call's result: ``out.to_tuple()`` when it has the
+        structure of the probe's eager ``return_dict=False`` output (and later calls are
+        translated too); else the probe's output itself (the eager result of this very call),
+        and later calls keep ``return_dict=False`` in the call and the signature."""
+        to_tuple = getattr(out, "to_tuple", None)
+        got = to_tuple() if callable(to_tuple) else None
+        if isinstance(got, tuple) and _same_structure(got, probe.out):
+            self._false_is_tuple = True
+            return got
+        self._false_is_tuple = False
+        self._log_own_form(
+            f"not the to_tuple() of its default output (a {type(out).__name__})",
+            " (capture with return_dict=False for a graph of that form)",
+            logging.WARNING,
         )
-        return False
+        return probe.out
+
+    def _log_own_form(self, what: str, then: str = "", level: int = logging.INFO) -> None:
+        logger.log(
+            level,
+            "bcg: the return_dict=False output of %s is %s: calls passing return_dict=False "
+            "get their own graph%s",
+            type(self.module).__name__,
+            what,
+            then,
+        )
 
     def close(self) -> None:
         """Drop all graphs and release this runner's attention patches (idempotent).
@@ -174,6 +231,34 @@ class DiTRunner(BreakableGraphRunner):
         patches, self._patches = self._patches, []
         for patch in patches:
             patch.remove()
+
+
+class _Probe:
+    """The eager ``return_dict=False`` output of the first call asking for it (always true)."""
+
+    __slots__ = ("out",)
+
+    def __init__(self, out: tuple[Any, ...]) -> None:
+        self.out = out
+
+
+def _same_structure(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` have the same containers, tensor shapes and dtypes, and leaf
+    types (values are not compared: a replay and an eager run may differ in rounding)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+        )
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(map(_same_structure, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_structure(a[k], b[k]) for k in a)
+    return True
 
 
 # Wrapper layers looked through for return_dict (a guard against self-referencing wrappers).
