@@ -32,7 +32,7 @@ from bcg_core._capture.breaks import breaks_observed, eager_on_graph
 from bcg_core._capture.context import is_breakable_capture_active
 from bcg_core._capture.flag import is_in_breakable_cuda_graph
 from bcg_core._errors import CaptureError
-from bcg_core._integrations import sliding_window
+from bcg_core._integrations import dynamic_cache, sliding_window
 
 logger = logging.getLogger("bcg_core")
 
@@ -89,6 +89,7 @@ def breakable_attention(base: str = "sdpa") -> str:
     """
     attention_interface, mask_interface = _interfaces()
     sliding_window.install()
+    dynamic_cache.install()
     paged = base.startswith(_PAGED)
     plain = base.removeprefix(_PAGED)
     if plain.startswith(PREFIX):
