@@ -26,6 +26,7 @@ methods are transformers' own.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -119,9 +120,15 @@ def _wrap_update(original: Callable[..., Any]) -> Callable[..., Any]:
     _originals["update"] = original
     as_break = eager_on_graph(name="transformers sliding-window cache update")(_run_update)
 
+    @functools.wraps(original)
     def update(
         self: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> Any:
+        if _offsets_read:
+            # The position moves on, whatever the step (several tokens, outside the flag): an
+            # entry left at this position would skip the next forward's break there after a
+            # reset and a prefill of the same length (the divergence check's eager run).
+            _offsets_read.pop(self, None)
         if not _active():
             return original(self, key_states, value_states, *args, **kwargs)
         state = active_capture()
@@ -134,7 +141,6 @@ def _wrap_update(original: Callable[..., Any]) -> Callable[..., Any]:
                 raise _refuse(self)
             _offsets_made.get(state, {}).pop(id(self), None)  # the position moves on
             _UPDATED.set(weakref.ref(state))
-        _offsets_read.pop(self, None)
         as_break(original, self, key_states, value_states, args, kwargs)
         return self.keys, self.values
 
@@ -162,6 +168,7 @@ def _run_update(
 def _wrap_seq_length(original: Callable[..., Any]) -> Callable[..., Any]:
     _originals["get_seq_length"] = original
 
+    @functools.wraps(original)
     def get_seq_length(self: Any) -> Any:
         if not _active():
             return original(self)
@@ -177,6 +184,7 @@ def _wrap_seq_length(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_mask_sizes(original: Callable[..., Any]) -> Callable[..., Any]:
     _originals["get_mask_sizes"] = original
 
+    @functools.wraps(original)
     def get_mask_sizes(self: Any, query_length: int) -> Any:
         if not _active() or not self.is_initialized:
             return original(self, query_length)

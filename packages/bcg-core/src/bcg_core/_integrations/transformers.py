@@ -32,7 +32,7 @@ from bcg_core._capture.breaks import breaks_observed, eager_on_graph
 from bcg_core._capture.context import is_breakable_capture_active
 from bcg_core._capture.flag import is_in_breakable_cuda_graph
 from bcg_core._errors import CaptureError
-from bcg_core._integrations import sliding_window
+from bcg_core._integrations import dynamic_cache, sliding_window
 
 logger = logging.getLogger("bcg_core")
 
@@ -72,7 +72,9 @@ def breakable_attention(base: str = "sdpa") -> str:
     (for RoPE and the sliding mask) the output of one more break per forward (see
     ``sliding_window.py``). Capturing a sliding-window layer any other way (another cache, a
     chunked layer, a step of several tokens, a ``torch.compile``d step) raises
-    :class:`CaptureError`.
+    :class:`CaptureError`, and so does capturing the update of a ``DynamicCache`` layer that
+    already holds tokens, in any model (its ``torch.cat`` growth would replay the capture's
+    context; see ``dynamic_cache.py``).
 
     Args:
         base: the implementation to wrap (default ``"sdpa"``), optionally with the ``paged|``
@@ -89,6 +91,7 @@ def breakable_attention(base: str = "sdpa") -> str:
     """
     attention_interface, mask_interface = _interfaces()
     sliding_window.install()
+    dynamic_cache.install()
     paged = base.startswith(_PAGED)
     plain = base.removeprefix(_PAGED)
     if plain.startswith(PREFIX):
