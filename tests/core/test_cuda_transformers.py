@@ -117,3 +117,42 @@ def test_sdpa_break_is_the_chosen_fused_kernel_on_cuda(backend: str) -> None:
         assert len(breaks) == model.config.num_hidden_layers
         assert all(b.args[4].dtype == torch.bfloat16 for b in breaks)
         decode_through_runner(model, steps=3, device="cuda")
+
+
+def test_a_prefilled_dynamic_cache_is_refused_on_cuda_and_served_eagerly() -> None:
+    """A DynamicCache grows by torch.cat into new tensors: a captured decode step would
+    attend to the capture's context at every replay. The capture is refused by name (before
+    anything is left capturing) and the runner serves the step eagerly, equal to eager."""
+    import copy
+
+    import transformers
+
+    torch.manual_seed(0)
+    model = (
+        transformers.AutoModelForCausalLM.from_config(
+            FAMILIES["llama"](),
+            attn_implementation=bcg_core.breakable_attention("sdpa"),
+            dtype=torch.bfloat16,
+        )
+        .to("cuda")
+        .eval()
+    )
+    prompt = torch.randint(0, 128, (1, 5), device="cuda")
+    with torch.no_grad():
+        prefilled = transformers.DynamicCache(config=model.config)
+        model(input_ids=prompt, past_key_values=prefilled)
+        cache, reference = copy.deepcopy(prefilled), copy.deepcopy(prefilled)
+        runner = bcg_core.BreakableGraphRunner(
+            lambda ids: model(input_ids=ids, past_key_values=cache).logits, warmup_iters=0
+        )
+        ids = prompt[:, -1:]
+        runner.capture(ids)
+        (why,) = runner.blocked_signatures.values()
+        assert "CaptureError" in why and "DynamicCache layer" in why
+        assert not bcg_core.is_breakable_capture_active()
+        reference_after_capture = model(input_ids=ids, past_key_values=reference).logits
+        for _ in range(4):
+            ids = reference_after_capture[:, -1:].argmax(-1)
+            got = runner(ids)
+            reference_after_capture = model(input_ids=ids, past_key_values=reference).logits
+            assert torch.equal(got, reference_after_capture)
