@@ -374,7 +374,7 @@ def test_llama_on_a_dynamic_cache_is_refused_and_served_eagerly() -> None:
         ids = prompt[:, -1:]
         runner.capture(ids)
         (why,) = runner.blocked_signatures.values()
-        assert "CaptureError" in why and "DynamicCache layer (DynamicLayer)" in why
+        assert "CaptureError" in why and "DynamicCache made before the capture" in why
         assert runner.stats.entries == ()
         caches.append(copy.deepcopy(prefilled))
         reference = copy.deepcopy(prefilled)
@@ -409,3 +409,31 @@ def test_a_dynamic_cache_made_inside_the_step_is_still_captured() -> None:
             ids = _prompt(1, 5, seed=seed + 10)
             assert torch.equal(runner(ids), step(ids))
     assert runner.stats.hits == 3
+
+
+def test_an_empty_dynamic_cache_made_before_the_capture_is_refused() -> None:
+    """A DynamicCache made once, empty, and passed to every call, captured with no warm-up:
+    eager's second call finds the tokens the first added, every replay would find it empty.
+    Refused by name (was: captured, replays as if the cache were new)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**SMALL), attn_implementation=bcg_core.breakable_attention("sdpa"),
+        dtype=torch.float32,
+    ).eval()  # fmt: skip
+    cache, reference = transformers.DynamicCache(), transformers.DynamicCache()
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = model(input_ids=ids, past_key_values=cache).logits
+        return logits
+
+    runner = BreakableGraphRunner(step, device="cpu", warmup_iters=0)
+    with torch.no_grad():
+        ids = _prompt(1, 1)
+        got = runner.capture(ids)
+        (why,) = runner.blocked_signatures.values()
+        assert "DynamicCache made before the capture" in why
+        assert torch.equal(got, model(input_ids=ids, past_key_values=reference).logits)
+        for seed in range(3):
+            ids = _prompt(1, 1, seed=seed + 20)
+            expected = model(input_ids=ids, past_key_values=reference).logits
+            assert torch.equal(runner(ids), expected)

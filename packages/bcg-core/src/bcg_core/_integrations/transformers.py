@@ -72,8 +72,8 @@ def breakable_attention(base: str = "sdpa") -> str:
     (for RoPE and the sliding mask) the output of one more break per forward (see
     ``sliding_window.py``). Capturing a sliding-window layer any other way (another cache, a
     chunked layer, a step of several tokens, a ``torch.compile``d step) raises
-    :class:`CaptureError`, and so does capturing the update of a ``DynamicCache`` layer that
-    already holds tokens, in any model (its ``torch.cat`` growth would replay the capture's
+    :class:`CaptureError`, and so does capturing the update of a ``DynamicCache`` layer made
+    before the capture, in any model (its ``torch.cat`` growth would replay the capture's
     context; see ``dynamic_cache.py``).
 
     Args:
