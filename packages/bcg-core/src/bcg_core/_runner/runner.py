@@ -675,7 +675,9 @@ class BreakableGraphRunner:
 
     def _capture_failed(self, sig: Signature, exc: Exception, call: Call) -> Any:
         self._counts["failed"] += 1
-        self._last_failure = (sig, f"{type(exc).__name__}: {exc}")
+        hint = capture_refusal_hint(exc)
+        why = f"{type(exc).__name__}: {exc}" + ("" if hint is None else f" [{hint}]")
+        self._last_failure = (sig, why)
         if isinstance(exc, ConcurrentCaptureError):
             # Not this signature's fault: a later capture (in a warmup window) retries it.
             logger.warning(
@@ -685,8 +687,6 @@ class BreakableGraphRunner:
                 exc,
             )
             return self.module(*call[0], **call[1])
-        hint = capture_refusal_hint(exc)
-        why = f"{type(exc).__name__}: {exc}" + ("" if hint is None else f" [{hint}]")
         self._blocked[sig] = why
         logger.warning(
             "bcg: capture failed for the call with %s (%s); this signature runs eagerly "
