@@ -161,7 +161,9 @@ def test_calls_while_graphs_are_disabled_count_as_misses() -> None:
     runner.capture(x)
     for _ in range(3):
         assert torch.equal(runner(x), x * 2)
+    assert not runner.serves_eagerly
     with disable_breakable_graphs():
+        assert runner.serves_eagerly
         for _ in range(3):
             assert torch.equal(runner(x), x * 2)
     stats = runner.stats

@@ -8,13 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree  # noqa: PLC2701  (the one walker: torch's pytree)
 
-from bcg_core import (
-    BreakableGraphRunner,
-    DivergenceReport,
-    PatchHandle,
-    breakable_graphs_disabled,
-)
+from bcg_core import BreakableGraphRunner, DivergenceReport, PatchHandle
 from bcg_diffusion._attention import patch_attention_classes
 from bcg_diffusion._tokens import ReplayTokenScope
 
@@ -158,7 +154,7 @@ class DiTRunner(BreakableGraphRunner):
         if default is True and wanted is False:
             known = self._false_is_tuple
             if known is None:
-                if self._serves_eagerly():
+                if self.serves_eagerly:
                     return False  # one eager run of the call as given: nothing to learn from
                 probe = self._probe_tuple_form(args, kwargs)
                 if probe is None:
@@ -170,15 +166,6 @@ class DiTRunner(BreakableGraphRunner):
                 del kwargs["return_dict"]
                 return True
         return False  # another value: passed on, and part of the signature
-
-    def _serves_eagerly(self) -> bool:
-        """Whether every call runs eagerly now (graphs disabled, the runner disabled, no CUDA
-        for a CUDA runner): a probe would run the model a second time for nothing."""
-        return (
-            self.disabled_reason is not None
-            or breakable_graphs_disabled()
-            or (self.device.type == "cuda" and not torch.cuda.is_available())
-        )
 
     def _probe_tuple_form(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Probe | None:
         """Run the model once eagerly with ``return_dict=False`` (the first time a call asks
@@ -245,20 +232,15 @@ class _Probe:
 def _same_structure(a: Any, b: Any) -> bool:
     """Whether ``a`` and ``b`` have the same containers, tensor shapes and dtypes, and leaf
     types (values are not compared: a replay and an eager run may differ in rounding)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.shape == b.shape
-            and a.dtype == b.dtype
-        )
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(map(_same_structure, a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same_structure(a[k], b[k]) for k in a)
-    return True
+    leaves_a, spec_a = pytree.tree_flatten(a)
+    leaves_b, spec_b = pytree.tree_flatten(b)
+    return spec_a == spec_b and all(map(_same_leaf, leaves_a, leaves_b))
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype
+    return type(a) is type(b)
 
 
 # Wrapper layers looked through for return_dict (a guard against self-referencing wrappers).

@@ -245,7 +245,8 @@ class BreakableGraphRunner:
                 raise: its signature is blocked and the call runs eagerly).
         """
         with self._lock:
-            # Tested here, not in a method: each frame before the launch delays the replay.
+            # serves_eagerly, tested here, not through the property: each frame before the
+            # launch delays the replay.
             if (
                 self.disabled_reason is not None
                 or breakable_graphs_disabled()
@@ -535,6 +536,20 @@ class BreakableGraphRunner:
             return RunnerStats(
                 c["hits"], c["misses"], c["captures"], c["failed"], c["evictions"], entries
             )
+
+    @property
+    def serves_eagerly(self) -> bool:
+        """Whether every call runs eagerly now, whatever its signature.
+
+        True when the runner disabled itself (:attr:`disabled_reason`), breakable graphs are
+        disabled in this context (``BCG_DISABLE``, :func:`disable_breakable_graphs`), or its
+        backend cannot capture on this machine (``device="cuda"`` without CUDA).
+        """
+        return (
+            self.disabled_reason is not None
+            or breakable_graphs_disabled()
+            or not self._graph_backend.is_available()
+        )
 
     @property
     def blocked_signatures(self) -> dict[Signature, str]:
