@@ -4,7 +4,6 @@ cache, over many steps, through the ways a serving loop drives a runner."""
 
 from __future__ import annotations
 
-import copy
 import inspect
 import threading
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from test_cpu_transformers import (  # noqa: E402
     SMALL,
     WINDOW,
     _windowed,  # noqa: PLC2701
+    refused_on_a_prefilled_dynamic_cache,
     saved_cache,
     sliding_positions,
 )
@@ -360,29 +360,7 @@ def test_llama_on_a_dynamic_cache_is_refused_and_served_eagerly() -> None:
         transformers.LlamaConfig(**SMALL), attn_implementation=bcg_core.breakable_attention("sdpa"),
         dtype=torch.float32,
     ).eval()  # fmt: skip
-    prompt = _prompt(1, 5, seed=2)
-    with torch.no_grad():
-        prefilled = transformers.DynamicCache(config=model.config)
-        model(input_ids=prompt, past_key_values=prefilled)
-        caches = [copy.deepcopy(prefilled)]
-
-        def decode(ids: torch.Tensor) -> torch.Tensor:
-            logits: torch.Tensor = model(input_ids=ids, past_key_values=caches[-1]).logits
-            return logits
-
-        runner = BreakableGraphRunner(decode, device="cpu", warmup_iters=0)
-        ids = prompt[:, -1:]
-        runner.capture(ids)
-        (why,) = runner.blocked_signatures.values()
-        assert "CaptureError" in why and "DynamicCache made before the capture" in why
-        assert runner.stats.entries == ()
-        caches.append(copy.deepcopy(prefilled))
-        reference = copy.deepcopy(prefilled)
-        for _ in range(5):
-            got = runner(ids)
-            expected = model(input_ids=ids, past_key_values=reference).logits
-            assert torch.equal(got, expected)
-            ids = expected[:, -1:].argmax(-1)
+    refused_on_a_prefilled_dynamic_cache(model, steps=5)
 
 
 def test_a_dynamic_cache_made_inside_the_step_is_still_captured() -> None:

@@ -363,10 +363,10 @@ def test_sliding_window_breaks_are_the_update_and_one_position() -> None:
     assert [b.name for b in breaks] == [position, update, attention, attention, update, attention]
 
 
-def test_sliding_window_on_a_dynamic_cache_is_refused_and_the_runner_stays_eager() -> None:
-    """A DynamicCache's sliding layer keeps its position in a Python int bcg does not take
-    over: the capture is refused by name and the runner serves that signature eagerly."""
-    model = _windowed("mistral")
+def refused_on_a_prefilled_dynamic_cache(model: Any, steps: int) -> None:
+    """Decode ``model`` on a prefilled DynamicCache through a runner: the capture is refused
+    by name (at layer 0's first update: a DynamicCache made before the capture), nothing is
+    left capturing, and ``steps`` eager runs from the prompt equal eager on its own copy."""
     prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         prefilled = transformers.DynamicCache(config=model.config)
@@ -379,20 +379,25 @@ def test_sliding_window_on_a_dynamic_cache_is_refused_and_the_runner_stays_eager
 
         runner = BreakableGraphRunner(decode, device="cpu", warmup_iters=0)
         ids = prompt[:, -1:]
-        runner.capture(ids)  # refused part-way (after layer 0's update), then run eagerly
+        runner.capture(ids)  # refused, then run eagerly
         (why,) = runner.blocked_signatures.values()
-        # refused at its first update now (a DynamicCache made before the capture), before
-        # the attention's own sliding-window refusal
         assert "CaptureError" in why and "DynamicCache made before the capture" in why
         assert runner.stats.entries == ()
         assert not bcg_core.is_breakable_capture_active()
         caches.append(copy.deepcopy(prefilled))  # decode from the prompt again
         reference = copy.deepcopy(prefilled)
-        for _ in range(3):
+        for _ in range(steps):
             got = runner(ids)
             expected = model(input_ids=ids, past_key_values=reference).logits
             assert torch.equal(got, expected)
             ids = expected[:, -1:].argmax(-1)
+
+
+def test_sliding_window_on_a_dynamic_cache_is_refused_and_the_runner_stays_eager() -> None:
+    """A DynamicCache's sliding layer keeps its position in a Python int bcg does not take
+    over: the capture is refused by name (at its first update, before the attention's own
+    sliding-window refusal) and the runner serves that signature eagerly."""
+    refused_on_a_prefilled_dynamic_cache(_windowed("mistral"), steps=3)
 
 
 def test_sliding_window_step_of_several_tokens_is_refused() -> None:
