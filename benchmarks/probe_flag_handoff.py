@@ -6,10 +6,18 @@ device time per step with the host queued ahead. Today a break ends one graph an
 next (17 launches for 16 breaks: about 2.4 us of device time per boundary). Here the whole step
 is *one* graph: at each break the graph writes a flag and waits on another (stream memory
 operations captured into the graph), while the break runs eagerly on a side stream that waits
-for the first flag and writes the second when done. The question is what that hand-off costs
-on the device against a graph boundary, and whether the two streams make progress at all (the
-driver warns that such waits can deadlock when the streams share a hardware queue: each
-variant runs once under a watchdog first).
+for the first flag and writes the second when done (two ways to build that graph: captured in
+one piece, or the captured segments composed after capture as child nodes of one graph with a
+memory-operation node between each two, which a breakable capture could do without capturing
+twice). The question is what that hand-off costs on the device against a graph boundary, and
+whether the two streams make progress at all (the driver warns that such waits can deadlock
+when the streams share a hardware queue: each variant runs once under a watchdog first; run it
+again with ``CUDA_DEVICE_MAX_CONNECTIONS=32`` if one deadlocks).
+
+Were it adopted, a break would have to keep a contract the boundary does not ask for: nothing
+in it may wait for the whole device (``torch.cuda.synchronize()``, ``empty_cache()``, an
+allocator retry that frees cached blocks), since the graph it would wait for is itself waiting
+for the break; and a break that raises must still release every later wait of the graph.
 """
 
 from __future__ import annotations
@@ -123,6 +131,7 @@ class Composed:
         from cuda.bindings import runtime as rt
 
         self.rt = rt
+        self.segments = segments  # their pool memory is what the child nodes address
         err, graph = rt.cudaGraphCreate(0)
         check((err,), "cudaGraphCreate")
         previous: list[object] = []

@@ -8,7 +8,7 @@
 #   scripts  benchmarks/bench_core.py and benchmarks/bench_dit.py
 #   stress   the stress suite's long form (BCG_STRESS_CYCLES, default 12000; BCG_STRESS_TIMEOUT)
 #            under faulthandler
-#   probes   the GPU probes in benchmarks/ (compiled breaks), logs only
+#   probes   the GPU probes in benchmarks/ (compiled breaks, flag hand-offs), logs only
 #   race     benchmarks/probe_graph_race.py: graphs made, captured and dropped in one or two
 #            threads, bare torch and through bcg, each variant in a child process
 #            (BCG_RACE_ITERATIONS, default 3000)
@@ -45,6 +45,11 @@ for phase in "${phases[@]}"; do
       export PYTHONPATH=packages/bcg-core/src:packages/bcg-diffusion/src:/tmp/bcg-site
       timeout 200 python3 benchmarks/probe_compile.py > "$out/probe_compile.log" 2>&1
       echo "probe_compile rc=$?"; grep -E "^\[" "$out/probe_compile.log" | cut -c1-200
+      # exits 3 at a deadlock: then once more with a hardware queue per stream
+      timeout 90 python3 benchmarks/probe_flag_handoff.py > "$out/probe_flag_handoff.log" 2>&1 \
+        || CUDA_DEVICE_MAX_CONNECTIONS=32 timeout 60 python3 benchmarks/probe_flag_handoff.py \
+          > "$out/probe_flag_handoff_32.log" 2>&1
+      echo "probe_flag_handoff rc=$?"; tail -14 "$out/probe_flag_handoff.log" | cut -c1-200
       unset PYTHONPATH ;;
     race)
       mkdir -p "$out/race"
