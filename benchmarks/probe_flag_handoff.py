@@ -86,7 +86,14 @@ def wait(stream: int, addr: int, value: int) -> None:
     )
 
 
-def handoff_graph(w: Work, flags: Flags, skip: bool) -> torch.cuda.CUDAGraph:
+def graph_side(stream: int, flags: Flags, i: int) -> None:
+    """The graph's side of break ``i``: write ready_i, wait for done_i, reset done_i."""
+    write(stream, flags.ready(i), 1)
+    wait(stream, flags.done(i), 1)
+    write(stream, flags.done(i), 0)
+
+
+def handoff_graph(w: Work, flags: Flags) -> torch.cuda.CUDAGraph:
     """One graph: layer i's ``pre``, then write ready_i, wait done_i, reset done_i, ``post``."""
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
@@ -99,10 +106,7 @@ def handoff_graph(w: Work, flags: Flags, skip: bool) -> torch.cuda.CUDAGraph:
         s = torch.cuda.current_stream().cuda_stream
         for i in range(LAYERS):
             w.pre()
-            if not skip:
-                write(s, flags.ready(i), 1)
-                wait(s, flags.done(i), 1)
-                write(s, flags.done(i), 0)
+            graph_side(s, flags, i)
             w.post()
     return graph
 
@@ -115,9 +119,7 @@ def memop_graph(flags: Flags, i: int) -> object:
     raw = rt.cudaStream_t(stream.cuda_stream)
     mode = rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
     check(rt.cudaStreamBeginCapture(raw, mode), "cudaStreamBeginCapture")
-    write(stream.cuda_stream, flags.ready(i), 1)
-    wait(stream.cuda_stream, flags.done(i), 1)
-    write(stream.cuda_stream, flags.done(i), 0)
+    graph_side(stream.cuda_stream, flags, i)
     err, graph = rt.cudaStreamEndCapture(raw)
     check((err,), "cudaStreamEndCapture")
     return graph
@@ -157,7 +159,6 @@ class Composed:
 
 
 def handoff_step(
-    w: Work,
     flags: Flags,
     graph: torch.cuda.CUDAGraph | Composed,
     side: torch.cuda.Stream,
@@ -236,8 +237,34 @@ def main() -> None:
             split([g.replay for g in segs], attention_into_bridge),
         )
         record("17 graphs, nothing between", split([g.replay for g in segs], None))
+
+        def measure_handoffs(
+            what: str, graph: torch.cuda.CUDAGraph | Composed, side: torch.cuda.Stream, label: str
+        ) -> None:
+            record(
+                f"{what} + hand-offs, nothing on the {label}",
+                handoff_step(flags, graph, side, lambda: None),
+            )
+            record(
+                f"{what} + hand-offs, eager cuDNN + copy on the {label}",
+                handoff_step(flags, graph, side, attention_into_bridge),
+            )
+
+        def equal_to_whole(graph: torch.cuda.CUDAGraph | Composed) -> bool:
+            """The same number of steps from the same start, both ways."""
+            start = w.x.clone()
+            for _ in range(3):
+                whole.replay()
+            ref = w.x.clone()
+            w.x.copy_(start)
+            step = handoff_step(flags, graph, torch.cuda.Stream(), attention_into_bridge)
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            return torch.equal(ref, w.x)
+
         try:
-            hand = handoff_graph(w, flags, skip=False)
+            hand = handoff_graph(w, flags)
         except RuntimeError as exc:
             print(f"  capturing stream memory operations failed: {exc}")
             hand = None
@@ -246,50 +273,16 @@ def main() -> None:
                 ("side stream", torch.cuda.Stream()),
                 ("high-priority side stream", torch.cuda.Stream(priority=-1)),
             ):
-                record(
-                    f"one graph + hand-offs, nothing on the {label}",
-                    handoff_step(w, flags, hand, side, lambda: None),
-                )
-                record(
-                    f"one graph + hand-offs, eager cuDNN + copy on the {label}",
-                    handoff_step(w, flags, hand, side, attention_into_bridge),
-                )
-            # Equality: the same number of steps from the same start, both ways.
-            start = w.x.clone()
-            for _ in range(3):
-                whole.replay()
-            ref = w.x.clone()
-            w.x.copy_(start)
-            step = handoff_step(w, flags, hand, torch.cuda.Stream(), attention_into_bridge)
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            print(f"  hand-off result equal to one graph: {torch.equal(ref, w.x)}")
+                measure_handoffs("one graph", hand, side, label)
+            print(f"  hand-off result equal to one graph: {equal_to_whole(hand)}")
         try:
             composed: Composed | None = Composed(w.segments(keep=True), flags)
         except RuntimeError as exc:
             print(f"  composing the segments with memory-operation nodes failed: {exc}")
             composed = None
         if composed is not None:
-            side = torch.cuda.Stream()
-            record(
-                "composed segments + hand-offs, nothing on the side stream",
-                handoff_step(w, flags, composed, side, lambda: None),
-            )
-            record(
-                "composed segments + hand-offs, eager cuDNN + copy on the side stream",
-                handoff_step(w, flags, composed, side, attention_into_bridge),
-            )
-            start = w.x.clone()
-            for _ in range(3):
-                whole.replay()
-            ref = w.x.clone()
-            w.x.copy_(start)
-            step = handoff_step(w, flags, composed, side, attention_into_bridge)
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            print(f"  composed result equal to one graph: {torch.equal(ref, w.x)}")
+            measure_handoffs("composed segments", composed, torch.cuda.Stream(), "side stream")
+            print(f"  composed result equal to one graph: {equal_to_whole(composed)}")
     base = rows["one graph, no attention"]
     for name, us in rows.items():
         print(
