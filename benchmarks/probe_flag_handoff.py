@@ -215,6 +215,7 @@ def main() -> None:
             os._exit(3)  # a spinning wait cannot be cancelled: end the process
         device, host = queued_device_us(step)
         rows[name], hosts[name] = device, host
+        print(f"  measured {name}: {device:.1f} us/step", flush=True)
 
     def attention_into_bridge() -> None:
         w.bridge.copy_(w.attention())
@@ -265,8 +266,8 @@ def main() -> None:
 
         try:
             hand = handoff_graph(w, flags)
-        except RuntimeError as exc:
-            print(f"  capturing stream memory operations failed: {exc}")
+        except Exception as exc:  # a binding's TypeError too: report it, measure the rest
+            print(f"  capturing stream memory operations failed: {exc!r}")
             hand = None
         if hand is not None:
             for label, side in (
@@ -277,8 +278,8 @@ def main() -> None:
             print(f"  hand-off result equal to one graph: {equal_to_whole(hand)}")
         try:
             composed: Composed | None = Composed(w.segments(keep=True), flags)
-        except RuntimeError as exc:
-            print(f"  composing the segments with memory-operation nodes failed: {exc}")
+        except Exception as exc:  # a binding's TypeError too: report it, measure the rest
+            print(f"  composing the segments with memory-operation nodes failed: {exc!r}")
             composed = None
         if composed is not None:
             measure_handoffs("composed segments", composed, torch.cuda.Stream(), "side stream")

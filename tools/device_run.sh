@@ -9,6 +9,7 @@
 #   stress   the stress suite's long form (BCG_STRESS_CYCLES, default 12000; BCG_STRESS_TIMEOUT)
 #            under faulthandler
 #   probes   the GPU probes in benchmarks/ (compiled breaks, flag hand-offs), logs only
+#   handoff  the flag hand-off probe alone
 #   race     benchmarks/probe_graph_race.py: graphs made, captured and dropped in one or two
 #            threads, bare torch and through bcg, each variant in a child process
 #            (BCG_RACE_ITERATIONS, default 3000)
@@ -41,10 +42,12 @@ for phase in "${phases[@]}"; do
         python3 -X faulthandler -m pytest -p no:cacheprovider -q -s -rfE --tb=short -k cuda \
         tests/core/test_stress.py > "$out/stress.log" 2>&1
       echo "stress rc=$?"; grep -E "stress\[|passed|failed" "$out/stress.log" | tail -3 ;;
-    probes)
+    probes|handoff)
       export PYTHONPATH=packages/bcg-core/src:packages/bcg-diffusion/src:/tmp/bcg-site
-      timeout 200 python3 benchmarks/probe_compile.py > "$out/probe_compile.log" 2>&1
-      echo "probe_compile rc=$?"; grep -E "^\[" "$out/probe_compile.log" | cut -c1-200
+      if [ "$phase" = probes ]; then
+        timeout 200 python3 benchmarks/probe_compile.py > "$out/probe_compile.log" 2>&1
+        echo "probe_compile rc=$?"; grep -E "^\[" "$out/probe_compile.log" | cut -c1-200
+      fi
       # exits 3 at a deadlock: then once more with a hardware queue per stream
       timeout 90 python3 benchmarks/probe_flag_handoff.py > "$out/probe_flag_handoff.log" 2>&1 \
         || CUDA_DEVICE_MAX_CONNECTIONS=32 timeout 60 python3 benchmarks/probe_flag_handoff.py \
