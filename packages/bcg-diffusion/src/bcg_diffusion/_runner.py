@@ -95,6 +95,7 @@ class DiTRunner(BreakableGraphRunner):
         if breakable_attention is not None:
             patches.append(breakable_attention)
         self._patches: list[PatchHandle] = patches
+        self._closed = False
         self._return_dict_default = _return_dict_default(model)
         # Whether the model's return_dict=False form is a tuple (diffusers' convention, which
         # to_tuple() reproduces): learnt from one eager call the first time it matters.
@@ -213,11 +214,25 @@ class DiTRunner(BreakableGraphRunner):
         """Drop all graphs and release this runner's attention patches (idempotent).
 
         Patches that other runners or :func:`install_breakable_attention` hold stay in place.
+        A closed runner serves every call eagerly (:attr:`disabled_reason` says so), also
+        after :meth:`reset`: make a new runner to capture again.
         """
+        self._closed = True
         self.reset()
         patches, self._patches = self._patches, []
         for patch in patches:
             patch.remove()
+
+    def reset(self) -> None:
+        """As :meth:`bcg_core.BreakableGraphRunner.reset`; a closed runner stays disabled."""
+        super().reset()
+        if self._closed:
+            # Its breaks are released: a graph captured now would hold the attention it was
+            # made to break (state that attention reads would replay stale).
+            self.disabled_reason = (
+                "the DiTRunner was closed and its attention patches released; make a new "
+                "DiTRunner to capture again"
+            )
 
 
 class _Probe:
