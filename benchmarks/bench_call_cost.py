@@ -166,17 +166,24 @@ def _flux_case(device: torch.device, smoke: bool) -> Case | str:
         v: torch.Tensor = model(hidden_states=latents, timestep=t, return_dict=False, **kw)[0]
         return latents - v / 20
 
-    patches = make_attention_ops_breakable(model)
+    patches = make_attention_ops_breakable(model)  # the case's own, for the hand captures
     runners: list[Any] = []
 
     def make(views: bool) -> BreakableGraphRunner:
-        runner = DiTRunner(step, breakable_attention=patches, device=device, return_views=views)
+        # Each runner owns its handle (it removes it on close()); the patch is shared.
+        runner = DiTRunner(
+            step,
+            breakable_attention=make_attention_ops_breakable(model),
+            device=device,
+            return_views=views,
+        )
         runners.append(runner)
         return runner
 
     def close() -> None:
         for r in runners:
             r.close()
+        patches.remove()
 
     return Case(step, (), make, close)
 

@@ -3,18 +3,21 @@ backend (tiny models, random weights, float32):
 
 - a closed ``DiTRunner`` (its attention patches released) still captured: the new graph held
   the attention it was made to break, so state that attention reads (a processor's scale, a
-  class attribute) replayed stale, silently; a closed runner now serves every call eagerly.
+  class attribute) replayed stale, silently; a closed runner now serves every call eagerly;
+- a runner given a handle that another runner owns (or one removed already) took it: once the
+  owner closed, the runner captured without its attention breaks, silently; both are refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from bcg_diffusion import DiTRunner, is_breakable_attention_installed
+from bcg_diffusion import DiTRunner, is_breakable_attention_installed, make_attention_ops_breakable
 
 
 @pytest.fixture(autouse=True)
@@ -66,3 +69,51 @@ def test_a_closed_runner_serves_eagerly_instead_of_capturing_without_its_breaks(
         monkeypatch.setattr(_ScaledAttention, "scale", 2.0)
         assert torch.equal(runner(x), model(x))  # was: the scale-1 graph replayed
     assert runner.serves_eagerly and "closed" in (runner.disabled_reason or "")
+
+
+# -- the handle a runner owns ------------------------------------------------------------------
+
+
+def _sd3() -> tuple[nn.Module, Any, torch.Tensor]:
+    pytest.importorskip("diffusers")
+    from test_cpu_diffusers import sd3_model
+
+    return sd3_model()
+
+
+def _sage_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+    """A user's kernel installed after the capture (SageAttention's recipe): another result."""
+    return torch.ops.aten.scaled_dot_product_attention(q, k, v, **kw) * 0.5
+
+
+def test_a_handle_owned_by_another_runner_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: the second runner took the handle the first owned; closing the first removed it,
+    and the second captured its next graph with no attention break (a kernel installed later
+    then ran in eager calls and never in its replays, silently)."""
+    model, step, latents = _sd3()
+    handle = make_attention_ops_breakable(model)
+    first = DiTRunner(step, breakable_attention=handle, device="cpu")
+    try:
+        with pytest.raises(ValueError, match="owned by another DiTRunner"):
+            DiTRunner(step, breakable_attention=handle, device="cpu")
+        assert handle.active  # the refusal left the first runner's handle alone
+        with torch.no_grad():
+            first.capture(latents, torch.ones(1))
+            assert first.stats.entries[0].breaks == 2
+            monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _sage_like)
+            got = first(latents, torch.ones(1))
+    finally:
+        first.close()
+    with torch.no_grad():
+        assert torch.equal(got, step(latents, torch.ones(1)))  # the later kernel, replayed too
+
+
+def test_a_removed_handle_is_refused() -> None:
+    """Was: a runner given a handle removed already captured with no attention break."""
+    model, step, _ = _sd3()
+    with make_attention_ops_breakable(model) as handle:
+        pass
+    with pytest.raises(ValueError, match="removed"):
+        DiTRunner(step, breakable_attention=handle, device="cpu")
+    runner = DiTRunner(step, breakable_attention=make_attention_ops_breakable(model), device="cpu")
+    runner.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +17,10 @@ from bcg_diffusion._attention import patch_attention_classes
 from bcg_diffusion._tokens import ReplayTokenScope
 
 logger = logging.getLogger("bcg_diffusion")
+
+# Handles given as breakable_attention= to a live runner (each is owned by one runner).
+_owned_lock = threading.Lock()
+_owned: weakref.WeakSet[PatchHandle] = weakref.WeakSet()
 
 
 class DiTRunner(BreakableGraphRunner):
@@ -60,7 +66,8 @@ class DiTRunner(BreakableGraphRunner):
     Raises:
         TypeError: ``breakable_attention`` is not a :class:`PatchHandle`, an attention class
             has no ``forward`` or ``__call__``, or as in :class:`bcg_core.BreakableGraphRunner`.
-        ValueError: as in :class:`bcg_core.BreakableGraphRunner`.
+        ValueError: ``breakable_attention`` was removed already or is owned by another live
+            runner (nothing is released then), or as in :class:`bcg_core.BreakableGraphRunner`.
     """
 
     def __init__(
@@ -76,6 +83,22 @@ class DiTRunner(BreakableGraphRunner):
                 "breakable_attention takes the handle make_attention_ops_breakable(model) "
                 f"returns, got {breakable_attention!r}"
             )
+        # A removed handle holds no patch, and one another runner owns goes when that runner
+        # closes: either way this runner would capture its attention with no break, silently.
+        if breakable_attention is not None and not breakable_attention.active:
+            raise ValueError(
+                f"breakable_attention={breakable_attention!r} was removed already; pass a new "
+                "make_attention_ops_breakable(model)"
+            )
+        with _owned_lock:
+            if breakable_attention is not None and breakable_attention in _owned:
+                raise ValueError(
+                    "breakable_attention is owned by another DiTRunner (closing it removes the "
+                    "patch); give each runner its own make_attention_ops_breakable(model) "
+                    "(the patches are reference-counted)"
+                )
+            if breakable_attention is not None:
+                _owned.add(breakable_attention)
         try:
             given: object = attention_classes  # typed as a tuple; callers pass one class too
             if isinstance(given, type):
@@ -91,6 +114,8 @@ class DiTRunner(BreakableGraphRunner):
             # The runner owns the handle it was given: a runner that was never made releases it.
             if breakable_attention is not None:
                 breakable_attention.remove()
+                with _owned_lock:
+                    _owned.discard(breakable_attention)
             raise
         if breakable_attention is not None:
             patches.append(breakable_attention)
@@ -222,6 +247,8 @@ class DiTRunner(BreakableGraphRunner):
         patches, self._patches = self._patches, []
         for patch in patches:
             patch.remove()
+        with _owned_lock:
+            _owned.difference_update(patches)
 
     def reset(self) -> None:
         """As :meth:`bcg_core.BreakableGraphRunner.reset`; a closed runner stays disabled."""
