@@ -117,3 +117,48 @@ def test_a_removed_handle_is_refused() -> None:
         DiTRunner(step, breakable_attention=handle, device="cpu")
     runner = DiTRunner(step, breakable_attention=make_attention_ops_breakable(model), device="cpu")
     runner.close()
+
+
+# -- processor state read at every replay -------------------------------------------------------
+
+
+def test_an_ip_adapter_scale_set_after_capture_replays_with_attention_ops_breakable() -> None:
+    """Was: only the processor's sdpa calls were breaks, so its ``scale`` (what
+    ``pipe.set_ip_adapter_scale`` writes) was a constant of the captured graph: a new scale
+    replayed the old one, silently. A processor that is an ``nn.Module`` with its attention in
+    ``__call__`` (IP-Adapter, Custom Diffusion) is now one whole-``__call__`` break, as
+    ``install_breakable_attention`` makes it."""
+    pytest.importorskip("diffusers")
+    from diffusers.models import attention_processor as ap
+
+    proc = ap.IPAdapterAttnProcessor2_0(
+        hidden_size=32, cross_attention_dim=32, num_tokens=(4,), scale=1.0
+    )
+    attn = ap.Attention(
+        query_dim=32, heads=2, dim_head=16, cross_attention_dim=32, processor=proc
+    ).eval()
+    text, ip = torch.randn(1, 8, 32), [torch.randn(1, 1, 4, 32)]
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = attn(x, encoder_hidden_states=(text, ip)) * 2 + 1
+        return out
+
+    x = torch.randn(1, 16, 32)
+    before = dict(vars(ap.IPAdapterAttnProcessor2_0))
+    runner = DiTRunner(step, breakable_attention=make_attention_ops_breakable(attn), device="cpu")
+    got: list[tuple[float, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            runner.capture(x)
+            assert runner.stats.entries[0].breaks == 1  # the whole __call__, its sdpas inside
+            for scale in (0.0, 0.5):
+                proc.scale = [scale]
+                got.append((scale, runner(x)))
+            assert runner.stats.hits == 2
+    finally:
+        runner.close()
+    assert dict(vars(ap.IPAdapterAttnProcessor2_0)) == before
+    with torch.no_grad():
+        for scale, out in got:
+            proc.scale = [scale]
+            assert torch.equal(out, step(x))

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from bcg_core import PatchHandle
-from bcg_diffusion._attention import make_breakable_attention_forward
+from bcg_diffusion._attention import attention_method, make_breakable_attention_forward
 
 _DISPATCH = "dispatch_attention_fn"
 _SDPA = "scaled_dot_product_attention"
@@ -86,7 +86,9 @@ def make_attention_ops_breakable(model: torch.nn.Module) -> PatchHandle:
     ``F.scaled_dot_product_attention``; see the module docstring for what is patched and why.
     A processor whose ``__call__`` reads tensor values on the host (``nonzero``, ``.item()``,
     ``.tolist()``, ``.cpu()`` ...: Mochi's per-sample prompt mask) cannot be captured around
-    its op, so its whole ``__call__`` is the break instead (projections included).
+    its op, so its whole ``__call__`` is the break instead (projections included); so is
+    that of a processor that is an ``nn.Module`` (IP-Adapter, Custom Diffusion), whose state
+    (the IP-Adapter ``scale``) is then read at every replay.
     Each patched name holds one more reference per call, so several runners can share a model
     class. Not covered: code calling ``torch.nn.functional.scaled_dot_product_attention`` by its
     full path, and attention that is no sdpa (Sana's linear self-attention, which is all matmuls
@@ -137,8 +139,9 @@ _NOT_PROCESSOR_CALLS = (torch.nn.Module.__call__,)
 
 def _host_reading_processors(model: torch.nn.Module) -> list[type]:
     """Classes of the model's attention processors whose ``__call__`` reads tensor values on
-    the host (Mochi's per-sample ``nonzero`` over the prompt mask): the whole ``__call__``
-    becomes the break (projections included), since its code cannot be captured."""
+    the host (Mochi's per-sample ``nonzero`` over the prompt mask), or that are modules with
+    state of their own (IP-Adapter): the whole ``__call__`` becomes the break (projections
+    included), since its code cannot be captured."""
     found: dict[type, None] = {}
     for sub in model.modules():
         processor = getattr(sub, "processor", None)
@@ -147,11 +150,26 @@ def _host_reading_processors(model: torch.nn.Module) -> list[type]:
         cls = type(processor)
         if cls in found:
             continue
+        if _is_module_processor(cls):
+            # IP-Adapter, Custom Diffusion: a processor that is a module holds state its
+            # __call__ reads (the scale pipe.set_ip_adapter_scale writes), which a graph
+            # captured around its op alone would keep at the capture's value.
+            found[cls] = None
+            continue
         calls = (vars(k)["__call__"] for k in cls.__mro__ if "__call__" in vars(k))
         call = next((c for c in calls if c not in _NOT_PROCESSOR_CALLS), None)
         if any(_names_any(code, _HOST_READS) for code in _codes_of(call)):
             found[cls] = None
     return list(found)
+
+
+def _is_module_processor(cls: type) -> bool:
+    """Whether ``cls`` is an ``nn.Module`` processor running attention in ``__call__`` (its
+    ``forward`` is ``nn.Module``'s placeholder), as install_breakable_attention tells it."""
+    try:
+        return issubclass(cls, torch.nn.Module) and attention_method(cls) == "__call__"
+    except TypeError:
+        return False
 
 
 # Wrapper layers looked through for a function's code (a guard against self-referencing ones).
