@@ -5,7 +5,9 @@ backend (tiny models, random weights, float32):
   the attention it was made to break, so state that attention reads (a processor's scale, a
   class attribute) replayed stale, silently; a closed runner now serves every call eagerly;
 - a runner given a handle that another runner owns (or one removed already) took it: once the
-  owner closed, the runner captured without its attention breaks, silently; both are refused.
+  owner closed, the runner captured without its attention breaks, silently; both are refused;
+- an IP-Adapter processor's scale set after capture replayed the old one (only its sdpa broke);
+- make_attention_ops_breakable(pipe) failed with an AttributeError about modules().
 """
 
 from __future__ import annotations
@@ -162,3 +164,18 @@ def test_an_ip_adapter_scale_set_after_capture_replays_with_attention_ops_breaka
         for scale, out in got:
             proc.scale = [scale]
             assert torch.equal(out, step(x))
+
+
+class _Pipeline:
+    """What a diffusers pipeline looks like here: components, no ``modules()``."""
+
+    def __init__(self) -> None:
+        self.transformer = _Model()
+
+
+@pytest.mark.parametrize("given", [_Pipeline(), _Model], ids=["pipeline", "class"])
+def test_make_attention_ops_breakable_given_no_module_says_what_to_pass(given: Any) -> None:
+    # Was: AttributeError "'_Pipeline' object has no attribute 'modules'" (or, for a class, a
+    # TypeError about modules()' missing self).
+    with pytest.raises(TypeError, match=r"takes the diffusers transformer.*pipe\.transformer"):
+        make_attention_ops_breakable(given)

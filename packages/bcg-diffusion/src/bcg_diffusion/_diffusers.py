@@ -102,9 +102,18 @@ def make_attention_ops_breakable(model: torch.nn.Module) -> PatchHandle:
         A :class:`PatchHandle` holding one reference on every patched name.
 
     Raises:
+        TypeError: ``model`` is not an ``nn.Module`` (a pipeline: pass ``pipe.transformer``).
         ValueError: no module of the model calls an attention op it knows (nothing is
             patched); the message names the fallback, :func:`install_breakable_attention`.
     """
+    given: object = model  # typed as a module; callers pass pipelines too
+    if not isinstance(given, torch.nn.Module):
+        # A pipeline has no modules() (was: an AttributeError naming it); its transformer has.
+        inner = "its transformer" if hasattr(given, "transformer") else "the transformer"
+        raise TypeError(
+            "make_attention_ops_breakable takes the diffusers transformer, an nn.Module, got "
+            f"a {type(given).__name__}; pass {inner} (e.g. pipe.transformer)"
+        )
     patches: list[tuple[Any, str, Any]] = [
         (cls, "__call__", make_breakable_attention_forward)
         for cls in _host_reading_processors(model)
