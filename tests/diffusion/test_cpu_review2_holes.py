@@ -12,6 +12,7 @@ backend (tiny models, random weights, float32):
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -179,3 +180,18 @@ def test_make_attention_ops_breakable_given_no_module_says_what_to_pass(given: A
     # TypeError about modules()' missing self).
     with pytest.raises(TypeError, match=r"takes the diffusers transformer.*pipe\.transformer"):
         make_attention_ops_breakable(given)
+
+
+def test_a_handle_of_a_runner_dropped_without_close_can_be_given_again() -> None:
+    model, step, latents = _sd3()
+    handle = make_attention_ops_breakable(model)
+    DiTRunner(step, breakable_attention=handle, device="cpu")  # dropped, never closed
+    gc.collect()
+    runner = DiTRunner(step, breakable_attention=handle, device="cpu")  # the patch is alive
+    try:
+        with torch.no_grad():
+            runner.capture(latents, torch.ones(1))
+        assert runner.stats.entries[0].breaks == 2
+    finally:
+        runner.close()
+    assert not handle.active

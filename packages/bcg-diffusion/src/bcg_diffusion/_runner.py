@@ -18,9 +18,10 @@ from bcg_diffusion._tokens import ReplayTokenScope
 
 logger = logging.getLogger("bcg_diffusion")
 
-# Handles given as breakable_attention= to a live runner (each is owned by one runner).
+# The runner each handle given as breakable_attention= belongs to (a runner dropped without
+# close() owns it no more).
 _owned_lock = threading.Lock()
-_owned: weakref.WeakSet[PatchHandle] = weakref.WeakSet()
+_owned: weakref.WeakKeyDictionary[PatchHandle, weakref.ref[DiTRunner]] = weakref.WeakKeyDictionary()
 
 
 class DiTRunner(BreakableGraphRunner):
@@ -91,14 +92,15 @@ class DiTRunner(BreakableGraphRunner):
                 "make_attention_ops_breakable(model)"
             )
         with _owned_lock:
-            if breakable_attention is not None and breakable_attention in _owned:
+            owner = None if breakable_attention is None else _owned.get(breakable_attention)
+            if owner is not None and owner() is not None:
                 raise ValueError(
                     "breakable_attention is owned by another DiTRunner (closing it removes the "
                     "patch); give each runner its own make_attention_ops_breakable(model) "
                     "(the patches are reference-counted)"
                 )
             if breakable_attention is not None:
-                _owned.add(breakable_attention)
+                _owned[breakable_attention] = weakref.ref(self)
         try:
             given: object = attention_classes  # typed as a tuple; callers pass one class too
             if isinstance(given, type):
@@ -115,7 +117,7 @@ class DiTRunner(BreakableGraphRunner):
             if breakable_attention is not None:
                 breakable_attention.remove()
                 with _owned_lock:
-                    _owned.discard(breakable_attention)
+                    _owned.pop(breakable_attention, None)
             raise
         if breakable_attention is not None:
             patches.append(breakable_attention)
@@ -248,7 +250,8 @@ class DiTRunner(BreakableGraphRunner):
         for patch in patches:
             patch.remove()
         with _owned_lock:
-            _owned.difference_update(patches)
+            for patch in patches:
+                _owned.pop(patch, None)
 
     def reset(self) -> None:
         """As :meth:`bcg_core.BreakableGraphRunner.reset`; a closed runner stays disabled."""
