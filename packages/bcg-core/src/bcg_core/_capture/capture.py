@@ -175,6 +175,28 @@ class CaptureState:
         """Run one break at capture: end the segment, barrier, run eagerly, record, resume."""
         self._check_thread(f"break {name!r}")
         self.end_segment()
+        try:
+            output = self._run_break(fn, stub, strict, name, args, kwargs)
+        except BaseException:
+            # The caller may catch the error (the break's own, the barrier's, or bcg's refusal
+            # of what the break did) and go on (a fallback path): what it runs is captured in a
+            # new segment, as after a break that returned. (Left without a segment, its ops
+            # were not recorded and the capture's exit failed an internal assertion.)
+            self.begin_segment()
+            raise
+        self.begin_segment()
+        return output
+
+    def _run_break(
+        self,
+        fn: Callable[..., Any],
+        stub: Callable[..., Any] | None,
+        strict: bool,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """:meth:`record_break` between the segments: barrier, run eagerly, record."""
         self._last_break = name
         self.where = f"in break {name!r}"
         if self.debug is not DebugLevel.OFF:
@@ -209,11 +231,8 @@ class CaptureState:
             side_streams = self.tracker.end_break()
             self.in_break = False
             if raised:
-                # The caller may catch the break's error and go on (a fallback path): what it
-                # runs is captured in a new segment, as after a break that returned.
                 for side in side_streams:
                     self.stream.wait_stream(side)
-                self.begin_segment()
         refuse_changed_arguments(name, layouts, (args, kwargs))
         made = None
         if pooling:  # read first, with the output held by the box alone (owned.sole_owned)
@@ -258,7 +277,6 @@ class CaptureState:
                 modes=modes,
             )
         )
-        self.begin_segment()
         return output
 
 
