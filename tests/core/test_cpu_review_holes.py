@@ -4,6 +4,7 @@ left behind, and is now right or a clear error."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
     BreakableGraphError,
+    BreakableGraphRunner,
     eager_on_graph,
     enable_breakable_cuda_graph,
     is_breakable_capture_active,
@@ -66,3 +68,44 @@ def test_code_catching_a_refused_break_goes_on_capturing(refusal: str) -> None:
         x.copy_(torch.randn(3, 3))
         graph.replay()
         assert torch.equal(out, (x + 1) * 3 + 1)
+
+
+class _Lengths:
+    """Host metadata an engine hands to its eager attention (a plain object)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+@eager_on_graph(name="rh.attention")
+def _attention(h: torch.Tensor, meta: _Lengths) -> torch.Tensor:
+    return h[: meta.n].sum().reshape(1).expand(4).clone()
+
+
+def _step(x: torch.Tensor, meta: _Lengths) -> torch.Tensor:
+    return _attention(x + 1, meta) * 2
+
+
+def test_an_equal_object_replays_only_while_the_captured_one_still_equals_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # An object argument is keyed by its contents and passed to the graph as itself: the
+    # replay's breaks read the object of the capture. An engine with two metadata objects
+    # (double buffering) passed the second while the first had changed since: the replay read
+    # the first one's length, silently (30 where eager gives 12).
+    x = torch.arange(8.0)
+    first = _Lengths(3)
+    runner = BreakableGraphRunner(_step, device="cpu", warmup_iters=0)
+    runner.capture(x, first)
+    second = _Lengths(3)
+    assert torch.equal(runner(x, second), _step(x, second))  # the captured one equals it
+    assert runner.stats.hits == 1
+    first.n = 5
+    with caplog.at_level(logging.WARNING, logger="bcg_core"):
+        assert torch.equal(runner(x, second), _step(x, second))
+    assert "changed since the capture" in caplog.text
+    assert runner.stats.hits == 1 and runner.stats.misses == 1
+    assert torch.equal(runner(x, first), _step(x, first))  # a miss: n=5 is not captured
+    first.n = 3
+    assert torch.equal(runner(x, second), _step(x, second))
+    assert runner.stats.hits == 2

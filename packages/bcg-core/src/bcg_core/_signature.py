@@ -379,6 +379,12 @@ def tensor_paths(sig: Signature, kind: str = "tensor") -> list[str]:
     return [path for path, key in flatten_signature(sig).items() if key[0] == kind]
 
 
+def call_objects(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The dataclasses and plain objects of a call that no other one holds, in walk order
+    (a runner passes them to its graph as themselves)."""
+    return tuple(_trees.outer_objects(_call(args, kwargs)))
+
+
 def object_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The plain tensors inside a call's dataclasses and objects (used in place, keyed by
     address), in walk order."""

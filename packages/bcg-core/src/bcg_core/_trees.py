@@ -318,6 +318,28 @@ def object_ids(obj: Any) -> set[int]:
     return found
 
 
+def outer_objects(obj: Any) -> list[Any]:
+    """The dataclasses and plain objects in ``obj`` that no other one holds, in walk order."""
+    found: list[Any] = []
+
+    def walk(node: Any, active: set[int]) -> None:
+        if isinstance(node, torch.Tensor) or type(node) in SCALARS:
+            return
+        kind = _kind(node)
+        if kind is None or id(node) in active:
+            return
+        if kind != _PYTREE:
+            found.append(node)
+            return
+        active.add(id(node))
+        for child in _children(node, kind)[0]:
+            walk(child, active)
+        active.discard(id(node))
+
+    walk(obj, set())
+    return found
+
+
 def _map(obj: Any, fn: Callable[[torch.Tensor], Any], into_objects: bool, active: set[int]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)

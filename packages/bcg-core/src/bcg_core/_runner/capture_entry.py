@@ -21,7 +21,13 @@ from bcg_core._runner.entry import Entry
 from bcg_core._runner.overlap import OverlapCheck
 from bcg_core._runner.pool import PoolTurn
 from bcg_core._runner.scalars import ScalarSlots
-from bcg_core._signature import identity_objects, object_tensors, static_buffer, static_call
+from bcg_core._signature import (
+    call_objects,
+    identity_objects,
+    object_tensors,
+    static_buffer,
+    static_call,
+)
 
 
 def capture_entry(
@@ -134,6 +140,7 @@ def capture_entry(
         written=written,
         overlap=OverlapCheck(written, object_tensors(*lifted)),
         watched=watched,
+        objects=call_objects(*lifted),
     )
 
 

@@ -13,7 +13,13 @@ import torch
 from bcg_core import _trees
 from bcg_core._capture.graph import BreakableCUDAGraph
 from bcg_core._runner.overlap import OverlapCheck
-from bcg_core._signature import FEW_COPIES, copy_all, copy_unless_same
+from bcg_core._signature import (
+    FEW_COPIES,
+    call_objects,
+    copy_all,
+    copy_unless_same,
+    walked_signature,
+)
 
 
 def _cloner(output: Any, passed: frozenset[int]) -> Callable[[], Any]:
@@ -55,7 +61,9 @@ class Entry:
     ``passed``: the ids of objects (dataclasses, plain objects: a cache) that
     the call passed in and the output holds; a clone of the output returns them as themselves.
     ``overlap`` tells the calls whose written argument shares memory with another (they run
-    eagerly). ``output`` never requires grad (detached at capture): a replay serves
+    eagerly). ``objects``: the dataclasses and plain objects of the capture's call (the graph
+    and its breaks read them, not the ones a later call passes; see :meth:`stale_object`).
+    ``output`` never requires grad (detached at capture): a replay serves
     inference, and autograd history from the capture would point at overwritten memory.
     """
 
@@ -75,6 +83,7 @@ class Entry:
     passed: frozenset[int] = frozenset()
     overlap: OverlapCheck = field(default_factory=lambda: OverlapCheck((), []))
     watched: tuple[tuple[torch.Tensor, int], ...] = ()
+    objects: tuple[Any, ...] = ()
     replays: int = 0
     warmup_ms: float = 0.0
     _copy: tuple[int, ...] = field(init=False)
@@ -117,6 +126,21 @@ class Entry:
             statics[i].fill_(live[i].item())
         for buf, value in zip(self.scalars, values, strict=True):
             buf.fill_(value)
+
+    def stale_object(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The first object of the capture that a call of this signature does not pass itself
+        and that no longer has the signature of the one it passes, or None.
+
+        An object argument is keyed by its contents, and the graph's breaks read the capture's
+        object at every replay: a call passing another, equal object replays right only while
+        the capture's one still equals it (an engine alternating two metadata objects changes
+        one while passing the other)."""
+        for mine, theirs in zip(self.objects, call_objects(args, kwargs), strict=True):
+            if mine is not theirs and (
+                walked_signature((mine,), {})[0] != walked_signature((theirs,), {})[0]
+            ):
+                return mine
+        return None
 
     def watched_versions(self) -> list[int]:
         """The version counters of the :attr:`watched` tensors, taken before a replay."""

@@ -272,6 +272,11 @@ class BreakableGraphRunner:
                 sig, live = signature_and_tensors(call_args, call_kwargs)
                 entry = self._entries.get(sig)
             if entry is not None:
+                if (
+                    entry.objects
+                    and (stale := entry.stale_object(call_args, call_kwargs)) is not None
+                ):
+                    return self._stale_object(stale, (args, kwargs))
                 if entry.written and (pair := entry.overlap.find(live)) is not None:
                     return self._refuse(sig, live, pair, (args, kwargs))
                 if (
@@ -726,6 +731,21 @@ class BreakableGraphRunner:
             f"{paths[i]} in place; the runner copies each argument into a buffer of its own, "
             "so such calls run eagerly: pass tensors that do not overlap (clone one) to replay "
             "the graph",
+        )
+        return self.module(*call[0], **call[1])
+
+    def _stale_object(self, stale: Any, call: Call) -> Any:
+        """Run eagerly a call that passes another object than the capture's, equal to what the
+        capture's was, while the capture's one has changed since: the graph's breaks read the
+        capture's object (a miss, said once)."""
+        self._counts["misses"] += 1
+        self._misses.refused(
+            "stale object",
+            f"the graph for this call's signature was captured with another "
+            f"{type(stale).__qualname__} object argument, which has changed since the capture; "
+            "the graph reads that object at every replay, not the one passed now, so such calls "
+            "run eagerly: pass the object the graph was captured with (update it in place), or "
+            "leave the captured one unchanged",
         )
         return self.module(*call[0], **call[1])
 
