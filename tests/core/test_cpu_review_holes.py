@@ -109,3 +109,40 @@ def test_an_equal_object_replays_only_while_the_captured_one_still_equals_it(
     first.n = 3
     assert torch.equal(runner(x, second), _step(x, second))
     assert runner.stats.hits == 2
+
+
+def _inner(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
+def test_a_runner_called_inside_another_capture_runs_its_step_into_it() -> None:
+    # A runner for a submodule, called while a bigger step is captured (by hand or by another
+    # runner): its replay raised ReplayError and failed the outer capture, and its capture
+    # window failed and blocked the signature for good.
+    inner = BreakableGraphRunner(_inner, device="cpu", warmup_iters=0)
+    x = torch.randn(4)
+    inner.capture(x)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        out = inner(x + 1) * 3
+    x.copy_(torch.randn(4))
+    graph.replay()
+    assert torch.equal(out, _inner(x + 1) * 3)
+
+    fresh = BreakableGraphRunner(_inner, device="cpu", warmup_iters=0)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        out = fresh.capture(x + 1) * 3
+    assert not fresh.blocked_signatures and fresh.stats.failed_captures == 0
+    x.copy_(torch.randn(4))
+    graph.replay()
+    assert torch.equal(out, _inner(x + 1) * 3)
+    fresh.capture(x)  # captured now that no other capture is open
+    assert fresh.stats.captures == 1 and torch.equal(fresh(x + 1), _inner(x + 1))
+
+    outer = BreakableGraphRunner(lambda t: inner(t + 1) * 3, device="cpu", warmup_iters=1)
+    outer.capture(x)
+    assert outer.stats.captures == 1 and not outer.blocked_signatures
+    x.copy_(torch.randn(4))
+    assert torch.equal(outer(x), _inner(x + 1) * 3)
+    assert outer.stats.hits == 1

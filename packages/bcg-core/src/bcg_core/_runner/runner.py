@@ -14,6 +14,7 @@ import torch
 
 from bcg_core._backends import backend_for_device
 from bcg_core._capture.capture import CAPTURE_ERROR_MODES
+from bcg_core._capture.context import active_capture
 from bcg_core._capture.flag import (
     breakable_graphs_disabled,
     disabled_reason,
@@ -257,6 +258,8 @@ class BreakableGraphRunner:
                 return self.module(*args, **kwargs)
             if self._busy:
                 return self.module(*args, **kwargs)
+            if active_capture() is not None:
+                return self._inside_capture(args, kwargs)
             values: list[bool | int | float] = []
             if self._lift is None:
                 call_args, call_kwargs = args, kwargs
@@ -687,6 +690,8 @@ class BreakableGraphRunner:
             why = f"breakable graphs are disabled ({disabled_reason()})"
         elif not self._graph_backend.is_available():
             why = f"the {self.device.type} graph backend is not available"
+        elif active_capture() is not None:
+            why = "a breakable capture is open around capture_many"
         elif sig in self._blocked:
             why = f"its capture failed earlier ({self._blocked[sig]})"
         else:
@@ -733,6 +738,19 @@ class BreakableGraphRunner:
             "the graph",
         )
         return self.module(*call[0], **call[1])
+
+    def _inside_capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run eagerly a call made while a breakable capture is open in this context (this
+        runner for a submodule of a step captured whole, by hand or by another runner): its
+        ops belong to that capture. A replay there is refused (ReplayError, failing that
+        capture) and a capture would fail and block the signature for good."""
+        self._counts["misses"] += 1
+        self._misses.refused(
+            "inside a capture",
+            "called while a breakable capture is open (a step captured whole around this "
+            "runner): it runs its module eagerly, into that capture",
+        )
+        return self.module(*args, **kwargs)
 
     def _stale_object(self, stale: Any, call: Call) -> Any:
         """Run eagerly a call that passes another object than the capture's, equal to what the
