@@ -146,3 +146,26 @@ def test_a_runner_called_inside_another_capture_runs_its_step_into_it() -> None:
     x.copy_(torch.randn(4))
     assert torch.equal(outer(x), _inner(x + 1) * 3)
     assert outer.stats.hits == 1
+
+
+def _scale(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x * n
+
+
+def test_a_lifted_int_beyond_int64_is_a_constant_not_a_slot() -> None:
+    # An int named in as_tensor is written into an int64 slot: one beyond its range raised
+    # torch's raw overflow error at a replay (eager computes x * 2**63), and at a capture it
+    # blocked the signature of every int for good.
+    x = torch.randn(3)
+    runner = BreakableGraphRunner(_scale, device="cpu", warmup_iters=0, as_tensor=(1,))
+    runner.capture(x, 3)
+    big = 2**63
+    assert torch.equal(runner(x, big), _scale(x, big))
+    assert torch.equal(runner(x, 5), _scale(x, 5)) and runner.stats.hits == 1
+
+    fresh = BreakableGraphRunner(_scale, device="cpu", warmup_iters=0, as_tensor=(1,))
+    with pytest.raises(OverflowError):
+        fresh.capture(x, 2**64)  # eager's own error: torch cannot multiply by it either
+    fresh.capture(x, 3)
+    assert fresh.stats.captures == 1
+    assert torch.equal(fresh(x, -7), _scale(x, -7)) and fresh.stats.hits == 1

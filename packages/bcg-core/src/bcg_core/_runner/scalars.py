@@ -23,14 +23,19 @@ from bcg_core._signature import ScalarInput
 _MARKERS: dict[type, ScalarInput] = {kind: ScalarInput(kind) for kind in (bool, int, float)}
 
 
+_INT64 = range(-(2**63), 2**63)
+
+
 def _number_kind(value: Any) -> type | None:
     """``bool``, ``int`` or ``float`` for a Python number (enums excluded: they pick code
-    paths), else None."""
+    paths), else None. An int beyond int64 is None too: it does not fit the slot (writing it
+    raised at a replay, and making one failed a capture and blocked every int), so it stays a
+    constant of the signature and its calls run as eager would."""
     if isinstance(value, enum.Enum):
         return None
     for kind in (bool, int, float):
         if isinstance(value, kind):
-            return kind
+            return None if kind is int and value not in _INT64 else kind
     return None
 
 
