@@ -169,3 +169,28 @@ def test_a_lifted_int_beyond_int64_is_a_constant_not_a_slot() -> None:
     fresh.capture(x, 3)
     assert fresh.stats.captures == 1
     assert torch.equal(fresh(x, -7), _scale(x, -7)) and fresh.stats.hits == 1
+
+
+@eager_on_graph(name="rh.stubbed", capture_stub=torch.zeros_like)
+def _stubbed(h: torch.Tensor) -> torch.Tensor:
+    return h.softmax(-1)
+
+
+def _stubbed_step(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    y = _stubbed(x * 2) + 1
+    out.copy_(y)  # an argument written in place: copied back to the caller
+    return y
+
+
+def test_a_runner_capture_with_a_capture_stub_returns_the_calls_result() -> None:
+    # A runner returns the capture's own output (the capture executed the step), but where a
+    # capture_stub ran instead of a break that output was computed from the stub's values:
+    # the first call of every signature returned ones here, and wrote them into `out`.
+    x = torch.randn(4)
+    runner = BreakableGraphRunner(_stubbed_step, device="cpu", warmup_iters=1)
+    out, want = torch.empty(4), torch.empty(4)
+    assert torch.equal(runner.capture(x, out), _stubbed_step(x, want))
+    assert torch.equal(out, want)
+    assert runner.stats.entries[0].capture_runs == 3  # warm-up, capture, the replay after it
+    x = torch.randn(4)
+    assert torch.equal(runner(x, out), _stubbed_step(x, want)) and torch.equal(out, want)

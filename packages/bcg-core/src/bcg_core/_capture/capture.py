@@ -275,6 +275,7 @@ class CaptureState:
                 side_streams=side_streams,
                 backend=self.backend,
                 modes=modes,
+                stubbed=stub is not None,
             )
         )
         return output

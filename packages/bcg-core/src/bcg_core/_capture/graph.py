@@ -42,6 +42,7 @@ class BreakStep:
     side_streams: tuple[Any, ...]
     backend: GraphBackend
     modes: Modes = (False, None)  # the inference and autocast modes it ran under at capture
+    stubbed: bool = False  # its capture_stub ran at capture instead of fn
     kind: Literal["break"] = "break"
 
     def run(self) -> None:
@@ -326,6 +327,11 @@ class BreakableCUDAGraph:
             if isinstance(step, BreakStep):
                 found.extend(_trees.tensor_leaves((step.args, step.kwargs), into_objects=False))
         return tuple(found)
+
+    def _ran_stubs(self) -> bool:
+        """Whether a ``capture_stub`` ran instead of a break at capture: what the code after it
+        computed at capture came from the stub's values, not the real function's."""
+        return any(isinstance(s, BreakStep) and s.stubbed for s in self._steps)
 
     def _bridge_tensors_outside_pool(self) -> tuple[torch.Tensor, ...]:
         """The tensors the bridges hold strongly: outputs that do not lie in the pool."""

@@ -100,6 +100,12 @@ def capture_entry(
         output = _without_history(output)
         backend.synchronize((lane,))
         done = time.perf_counter()
+        stubbed = graph._ran_stubs()
+        if stubbed:
+            # The capture's output (and what it wrote into the arguments) was computed from a
+            # capture_stub's values, not this call's: one replay computes them.
+            with enable_breakable_cuda_graph():
+                graph.replay()
     except BaseException:
         current.wait_stream(lane)  # before the static buffers are freed
         graph.reset()
@@ -129,7 +135,7 @@ def capture_entry(
         output=output,
         static_call=(static_args, static_kwargs),
         keep_alive=identity_objects(*call),
-        capture_runs=warmups + 1,
+        capture_runs=warmups + 1 + stubbed,
         capture_ms=(done - captured) * 1e3,
         pool_bytes=graph.pool_bytes(),
         warmup_ms=(captured - started) * 1e3,

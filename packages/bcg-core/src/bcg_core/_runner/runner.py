@@ -70,8 +70,9 @@ class BreakableGraphRunner:
     :meth:`warmup` window: ``warmup_iters`` eager runs on :attr:`stream`, then the capture on
     the same stream, both under :func:`enable_breakable_cuda_graph`. Capturing runs the step
     ``warmup_iters + 1`` times (``EntryStats.capture_runs``): the capture itself executes the
-    step once and its output is returned (no replay after capture). Stateful inputs (a KV cache
-    position) advance that often: capture at start-up, then reset them.
+    step once and its output is returned (no replay after capture, unless a ``capture_stub``
+    ran instead of a break: then one replay computes the call's result). Stateful inputs (a KV
+    cache position) advance that often: capture at start-up, then reset them.
 
     **Serving.** A known signature is replayed: the call's inputs are written into the static
     buffers (one batched copy), the graph replays under the runtime flag (and inside

@@ -21,7 +21,7 @@ class EntryStats:
             backend cannot tell (CPU).
         replays: replays so far.
         capture_runs: how many times :meth:`BreakableGraphRunner.capture` ran the step for it
-            (warm-ups + the capture).
+            (warm-ups + the capture, + one replay where a ``capture_stub`` ran at capture).
         pool: the memory pool it was captured into.
         capture_ms: the wall time of the capture itself in ms (warm-ups excluded; the capture
             stream synchronised at its end).
