@@ -194,3 +194,39 @@ def test_a_runner_capture_with_a_capture_stub_returns_the_calls_result() -> None
     assert runner.stats.entries[0].capture_runs == 3  # warm-up, capture, the replay after it
     x = torch.randn(4)
     assert torch.equal(runner(x, out), _stubbed_step(x, want)) and torch.equal(out, want)
+
+
+@pytest.mark.parametrize("wrap", ["module", "bound method", "compiled"])
+def test_a_graph_captured_in_eval_mode_is_not_replayed_in_train_mode(
+    wrap: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The graph holds the capture's mode: batch norm in eval() reads the running statistics,
+    # in train() the batch's (and updates the running ones). model.train() after an eval()
+    # capture used to replay the eval graph silently.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).eval()
+    with torch.no_grad():
+        model[1].running_mean.fill_(3.0)
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    reference.load_state_dict(model.state_dict())
+    stepped: Any = {
+        "module": model,
+        "bound method": model.forward,
+        "compiled": torch.compile(model, backend="eager"),
+    }[wrap]
+    runner = BreakableGraphRunner(stepped, device="cpu", warmup_iters=0)
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        runner.capture(x)
+        model.train()
+        reference.train()
+        with caplog.at_level(logging.WARNING, logger="bcg_core"):
+            got = runner(x)
+        assert torch.equal(got, reference(x))
+        assert torch.equal(model[1].running_mean, reference[1].running_mean)
+        assert "captured in eval() mode" in caplog.text
+        assert runner.stats.hits == 0
+        model.eval()
+        reference.eval()
+        assert torch.equal(runner(x), reference(x))
+        assert runner.stats.hits == 1

@@ -57,7 +57,9 @@ class Entry:
     write at capture (it re-reads host state), and a replay bumps no version counter but a
     break's, so a moved one is copied back too (:meth:`store`). ``inference`` is whether the
     capture ran in inference mode: replays run in the same mode. ``autocast``: the autocast
-    state of the capture (None: off); a call under another one runs eagerly.
+    state of the capture (None: off); a call under another one runs eagerly. ``training``:
+    the wrapped module's ``training`` flag at capture (None: the runner wraps no module); a
+    call in the other mode runs eagerly.
     ``passed``: the ids of objects (dataclasses, plain objects: a cache) that
     the call passed in and the output holds; a clone of the output returns them as themselves.
     ``overlap`` tells the calls whose written argument shares memory with another (they run
@@ -84,6 +86,7 @@ class Entry:
     overlap: OverlapCheck = field(default_factory=lambda: OverlapCheck((), []))
     watched: tuple[tuple[torch.Tensor, int], ...] = ()
     objects: tuple[Any, ...] = ()
+    training: bool | None = None
     replays: int = 0
     warmup_ms: float = 0.0
     _copy: tuple[int, ...] = field(init=False)

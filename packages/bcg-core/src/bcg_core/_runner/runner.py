@@ -104,7 +104,11 @@ class BreakableGraphRunner:
 
     **Inference.** Outputs of a replay (and of a capture) carry no autograd history; a graph
     replays in the inference mode it was captured in, and its output is cloned in the
-    caller's mode.
+    caller's mode. A graph holds the wrapped module's ``train()``/``eval()`` mode of its
+    capture: a call in the other mode runs eagerly (a miss, warned once). It reads parameters
+    where they were at capture: update weights in place (``load_state_dict``, ``p.copy_``);
+    after anything that rebinds them (``model.to(dtype)``, ``param.data = ...``), call
+    :meth:`reset`.
 
     **Failure modes.** Breakable graphs disabled (``BCG_DISABLE=1`` or inside
     :func:`disable_breakable_graphs`): every call runs eagerly, announced once per runner. A
@@ -208,6 +212,10 @@ class BreakableGraphRunner:
         # that calls the runner again gets an eager run, not its own graph half-way through.
         self._busy = False
         self._warned_autocast = False
+        self._warned_training = False
+        # The module whose train()/eval() mode a graph holds (dropout, batch-norm statistics):
+        # a call in the other mode runs eagerly.
+        self._mode_module = _mode_module(module)
         self._last_failure: tuple[Signature, str] | None = None  # set by _capture_failed
         self._entries: OrderedDict[Signature, Entry] = OrderedDict()
         # The last hit's guard, signature and entry (see _guard_last).
@@ -287,6 +295,12 @@ class BreakableGraphRunner:
                     torch._C._is_any_autocast_enabled() or entry.autocast is not None
                 ) and autocast_state() != entry.autocast:
                     return self._other_autocast(entry, (args, kwargs))
+                if (
+                    entry.training is not None
+                    and (mode := self._mode_module) is not None
+                    and mode.training is not entry.training
+                ):
+                    return self._other_training(entry, (args, kwargs))
                 replays = entry.replays
                 try:
                     return self._replay(entry, live, values)
@@ -640,6 +654,8 @@ class BreakableGraphRunner:
                 raise  # KeyboardInterrupt, SystemExit: the pool rule kept, the signature not blamed
             return self._capture_failed(sig, exc, call)
         self._busy = False
+        if self._mode_module is not None:
+            entry.training = self._mode_module.training
         graph = entry.graph
         pair = entry.overlap.find(live)
         if pair is not None:
@@ -784,6 +800,24 @@ class BreakableGraphRunner:
             )
         return self.module(*call[0], **call[1])
 
+    def _other_training(self, entry: Entry, call: Call) -> Any:
+        """Run eagerly a call made in the other train()/eval() mode than its graph's capture:
+        the graph holds the capture's mode (dropout on or off, batch-norm statistics used or
+        updated), a miss warned once."""
+        self._counts["misses"] += 1
+        if not self._warned_training:
+            self._warned_training = True
+            mode = {True: "train()", False: "eval()"}
+            logger.warning(
+                "bcg: %s's graph for this call was captured in %s mode and the module is now in "
+                "%s mode: it runs eagerly. Capture in the mode you serve in (usually eval()), "
+                "or call reset() after switching.",
+                type(self).__name__,
+                mode[bool(entry.training)],
+                mode[not entry.training],
+            )
+        return self.module(*call[0], **call[1])
+
     def _replay(self, entry: Entry, live: list[torch.Tensor], values: list[Any]) -> Any:
         stream = self._graph_backend.current_stream(self._stream_device)
         turn = self._turn
@@ -857,3 +891,14 @@ def _capture_mode(inference: bool) -> Iterator[None]:
 def _note_storage(seen: dict[int, int], t: torch.Tensor) -> None:
     storage = t.untyped_storage()
     seen.setdefault(storage.data_ptr(), storage.nbytes())
+
+
+def _mode_module(module: Any) -> torch.nn.Module | None:
+    """The ``nn.Module`` whose ``training`` flag a call of ``module`` runs in: the module itself
+    (the module torch.compile wrapped, whose flag ``model.eval()`` sets), or the module a bound
+    method belongs to; None for other callables."""
+    owner = getattr(module, "__self__", module)
+    if not isinstance(owner, torch.nn.Module):
+        return None
+    inner = getattr(owner, "_orig_mod", owner)
+    return inner if isinstance(inner, torch.nn.Module) else owner
