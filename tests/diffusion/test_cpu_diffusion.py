@@ -153,7 +153,7 @@ def test_bucket_choice_and_errors() -> None:
     assert bucket_for(8, [8, 16]) == 8
     with pytest.raises(ValueError, match="exceeds the largest bucket 16"):
         bucket_for(17, [8, 16])
-    with pytest.raises(ValueError, match="positive lengths"):
+    with pytest.raises(ValueError, match="positive int lengths"):
         bucket_for(1, [])
 
 

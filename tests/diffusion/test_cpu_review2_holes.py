@@ -195,3 +195,16 @@ def test_a_handle_of_a_runner_dropped_without_close_can_be_given_again() -> None
     finally:
         runner.close()
     assert not handle.active
+
+
+def test_pad_prompt_refuses_float_buckets_and_an_empty_prompt() -> None:
+    # A float bucket failed inside F.pad with a TypeError naming neither; an empty prompt padded
+    # to an all-False mask, whose attention is NaN.
+    from bcg_diffusion import pad_prompt
+
+    text = torch.randn(1, 5, 8)
+    with pytest.raises(ValueError, match=r"positive int lengths, got \[16.0\]"):
+        pad_prompt(text, None, [16.0])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="at least one token"):
+        pad_prompt(torch.randn(1, 0, 8), None, [8])
+    assert pad_prompt(text, None, [8])[0].shape == (1, 8, 8)

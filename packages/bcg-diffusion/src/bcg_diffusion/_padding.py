@@ -25,12 +25,16 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
         The smallest bucket >= ``length``.
 
     Raises:
-        ValueError: ``buckets`` is empty or holds a length below 1, or ``length`` exceeds the
-            largest bucket (the message names it).
+        ValueError: ``buckets`` is empty or holds a length that is no int or below 1,
+            ``length`` is below 1, or it exceeds the largest bucket (the message names it).
     """
     ordered = sorted(buckets)
-    if not ordered or any(b < 1 for b in ordered):
-        raise ValueError(f"buckets must be positive lengths, got {ordered}")
+    # A float (16.0) or bool bucket failed later inside F.pad with a TypeError naming neither.
+    if not ordered or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in ordered):
+        raise ValueError(f"buckets must be positive int lengths, got {ordered}")
+    if length < 1:
+        # Padding it gives an all-False mask: attention over no key is NaN.
+        raise ValueError(f"a prompt must hold at least one token, got length {length}")
     i = bisect.bisect_left(ordered, length)
     if i == len(ordered):
         raise ValueError(
@@ -56,8 +60,8 @@ def pad_prompt(
         (the mask as bool).
 
     Raises:
-        ValueError: ``embeds`` is not 3-D, ``mask`` is not ``[B, L]``, or no bucket holds
-            ``L`` (see :func:`bucket_for`).
+        ValueError: ``embeds`` is not 3-D, ``mask`` is not ``[B, L]``, ``L`` is 0, or no
+            bucket holds ``L`` (see :func:`bucket_for`).
     """
     if embeds.dim() != 3:
         raise ValueError(f"embeds must be [batch, length, dim], got shape {tuple(embeds.shape)}")
