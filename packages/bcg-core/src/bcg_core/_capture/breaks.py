@@ -106,7 +106,8 @@ def eager_on_graph(
     a plain object) makes dynamo graph-break there and call the wrapper eagerly. Tensors the
     break writes must be among its arguments: the compiler orders the code around the op by
     those alone. Usable bare (``@eager_on_graph``) or configured
-    (``@eager_on_graph(strict=True)``); the wrapper keeps name and docstring.
+    (``@eager_on_graph(strict=True)``); the wrapper keeps name and docstring. Above or below
+    ``@staticmethod``/``@classmethod`` alike, the method keeps its kind.
 
     Args:
         fn: the function to mark, when used bare; None (the default) returns a decorator
@@ -150,6 +151,10 @@ def eager_on_graph(
         _refuse_lazy_body(capture_stub, f"eager_on_graph's capture_stub {stub_name}")
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        if isinstance(f, (staticmethod, classmethod)):
+            # Applied over @staticmethod/@classmethod: wrap the function and keep the kind (a
+            # plain wrapper in the class would bind the instance as the first argument).
+            return type(f)(decorate(f.__func__))
         if not callable(f):
             raise TypeError(f"@eager_on_graph decorates a callable, got {f!r}")
         break_name: str = name or getattr(f, "__qualname__", None) or repr(f)
