@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
+    PatchHandle,
     eager_on_graph,
     enable_breakable_cuda_graph,
+    patch_attribute,
 )
 
 # -- eager_on_graph over @staticmethod / @classmethod --------------------------------------------
@@ -53,3 +56,45 @@ def test_a_break_decorated_over_staticmethod_and_classmethod_keeps_their_kind() 
     static.fill_(3.0)
     graph.replay()
     assert torch.equal(out, torch.full((2,), 8.0))
+
+
+# -- patch_attribute on an instance whose value is not in its __dict__ ---------------------------
+
+
+def test_an_instance_patch_of_a_submodule_or_slot_is_restored(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # An nn.Module keeps submodules in _modules and a __slots__ class in a member descriptor:
+    # bcg read "its own value" from __dict__ only, so release warned "replaced by other code"
+    # and left the wrapper in the model for good (submodule), or raised vars()'s TypeError
+    # with the handle already emptied, the patch left in place (slots).
+    class Doubled(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) * 2
+
+    model = torch.nn.Sequential()
+    model.attn = torch.nn.Linear(2, 2)
+    original = model.attn
+    with patch_attribute(model, "attn", Doubled):
+        assert isinstance(model.attn, Doubled) and model.attn.inner is original
+    assert model.attn is original
+    assert PatchHandle.count(model, "attn") == 0
+
+    class Slotted:
+        __slots__ = ("f",)
+
+        def __init__(self) -> None:
+            self.f: Any = lambda: 1
+
+    obj = Slotted()
+    first = obj.f
+    handle = patch_attribute(obj, "f", lambda f: lambda: f() + 1)
+    assert obj.f() == 2
+    handle.remove()
+    assert obj.f is first
+    assert PatchHandle.count(obj, "f") == 0
+    assert "replaced by other code" not in caplog.text

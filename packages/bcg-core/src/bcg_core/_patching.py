@@ -69,6 +69,8 @@ class _Slot:
         """What the target itself holds under the name now (not inherited), or _ABSENT."""
         if self.kind == "mapping":
             return self.target.get(self.name, _ABSENT)
+        if self.kind == "instance":
+            return _instance_own(self.target, self.name)
         return vars(self.target).get(self.name, _ABSENT)
 
     def put(self, value: Any) -> None:
@@ -251,11 +253,30 @@ def _new_slot(target: Any, name: str, kind: str) -> _Slot:
     if kind == "mapping":
         return _Slot(target, name, kind, target[name], target[name])
     base = inspect.getattr_static(target, name) if kind == "class" else getattr(target, name)
-    own = vars(target).get(name, _ABSENT) if hasattr(target, "__dict__") else _ABSENT
+    if kind == "instance":
+        own = _instance_own(target, name)
+    else:
+        own = vars(target).get(name, _ABSENT) if hasattr(target, "__dict__") else _ABSENT
     inherited = _find_inherited(target, name, kind) if own is _ABSENT else _ABSENT
     if kind == "class" and inherited is not _ABSENT:
         base = inherited
     return _Slot(target, name, kind, own, base, inherited)
+
+
+def _instance_own(target: Any, name: str) -> Any:
+    """What an instance holds under ``name`` itself, _ABSENT when it inherits it (a method).
+
+    Not only its ``__dict__`` entry: a value behind a data descriptor of its class (a
+    ``__slots__`` member, a property) or one its class's ``__getattr__`` gives (an nn.Module's
+    submodule, parameter or buffer) is the instance's own too, and is what release restores;
+    read from ``__dict__`` alone, such a patch looked replaced by other code and stayed."""
+    declared = _find_inherited(target, name, "instance")
+    if declared is not _ABSENT and hasattr(type(declared), "__set__"):
+        return getattr(target, name, _ABSENT)  # a data descriptor wins over __dict__
+    own = vars(target).get(name, _ABSENT) if hasattr(target, "__dict__") else _ABSENT
+    if own is not _ABSENT or declared is not _ABSENT:
+        return own
+    return getattr(target, name, _ABSENT)
 
 
 def _mro_above(target: Any, kind: str) -> tuple[type, ...]:
