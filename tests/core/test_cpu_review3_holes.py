@@ -12,6 +12,7 @@ from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
     PatchHandle,
+    check_divergence,
     eager_on_graph,
     enable_breakable_cuda_graph,
     patch_attribute,
@@ -98,3 +99,82 @@ def test_an_instance_patch_of_a_submodule_or_slot_is_restored(
     assert obj.f is first
     assert PatchHandle.count(obj, "f") == 0
     assert "replaced by other code" not in caplog.text
+
+
+# -- the divergence check -----------------------------------------------------------------------
+
+
+def _xs(n: int = 3) -> list[torch.Tensor]:
+    return [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+
+
+def test_a_frozen_numpy_scalar_out_of_a_break_is_named() -> None:
+    # np.float64 == np.float64 gives np.bool_, not bool: the check took the two values as not
+    # comparable, so a frozen numpy output passed on to the next break went unseen and that
+    # break was blamed ("break_itself": different tensors from identical arguments).
+    np = pytest.importorskip("numpy")
+
+    @eager_on_graph(name="np_absmax")
+    def np_absmax(x: torch.Tensor) -> Any:
+        return np.float64(x.abs().max().item())
+
+    @eager_on_graph(name="apply")
+    def apply(x: torch.Tensor, s: Any) -> torch.Tensor:
+        return x / (s + 1.0)
+
+    report = check_divergence(lambda x: apply(x, np_absmax(x)), _xs())
+    assert report.status == "diverged", str(report)
+    assert report.cause == "frozen_break_output", str(report)
+    assert report.observed_at == "the outputs of break 'np_absmax' (call 1)"
+    assert (report.segment, report.break_before, report.break_after) == (2, "np_absmax", "apply")
+
+
+def test_a_nan_attribute_the_step_leaves_alone_is_not_state_it_changes() -> None:
+    # float("nan") != float("nan"): a module holding NaN (an unset threshold) was reported
+    # "stateful", blaming an attribute the step never touched.
+    @eager_on_graph(name="double")
+    def double(h: torch.Tensor) -> torch.Tensor:
+        return h * 2
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.threshold = float("nan")
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return double(self.lin(x))
+
+    with torch.no_grad():
+        report = check_divergence(Block(), _xs())
+    assert report.ok, str(report)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"atol": float("nan")}, ValueError, "atol and rtol must be >= 0"),
+        ({"rtol": float("nan")}, ValueError, "atol and rtol must be >= 0"),
+        ({"atol": "0.1"}, TypeError, "atol must be a number"),
+    ],
+)
+def test_a_tolerance_that_is_no_number_is_refused_before_anything_runs(
+    kwargs: dict[str, Any], error: type[Exception], words: str
+) -> None:
+    # NaN passed the >= 0 check and failed after the capture inside torch.isclose; a string
+    # failed on '<' between str and int.
+    ran: list[int] = []
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        ran.append(1)
+        return x * 2
+
+    with pytest.raises(error, match=words):
+        check_divergence(step, _xs(), **kwargs)
+    assert ran == []
+
+
+def test_a_tensor_given_as_the_input_sets_is_refused() -> None:
+    # list(tensor) is its rows: check_divergence(fn, x) checked fn on rows of x, "ok".
+    with pytest.raises(TypeError, match="a list of input sets"):
+        check_divergence(lambda x: x * 2, torch.randn(3, 4))

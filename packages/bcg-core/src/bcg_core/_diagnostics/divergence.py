@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -173,8 +173,9 @@ def check_divergence(
         set, segment and tensors that differed (or ``"nondeterministic"``, or ``"stateful"``).
 
     Raises:
-        TypeError: ``fn`` is not callable.
-        ValueError: negative ``atol`` or ``rtol``, fewer than two input sets, an unknown
+        TypeError: ``fn`` is not callable, ``atol`` or ``rtol`` is not a number, or
+            ``inputs`` is a tensor, string or mapping instead of a list of input sets.
+        ValueError: negative or NaN ``atol`` or ``rtol``, fewer than two input sets, an unknown
             ``backend``, an input set whose structure, shapes, dtypes or devices differ from
             set 0's, or nothing to compare (no break call, no tensor returned, no argument
             written).
@@ -183,8 +184,18 @@ def check_divergence(
     """
     if not callable(fn):
         raise TypeError(f"check_divergence needs a callable, got {fn!r}")
-    if atol < 0 or rtol < 0:
+    for label, tolerance in (("atol", atol), ("rtol", rtol)):
+        if not isinstance(tolerance, (int, float)):
+            raise TypeError(f"check_divergence's {label} must be a number, got {tolerance!r}")
+    if not (atol >= 0 and rtol >= 0):  # NaN too: torch.isclose refused it after the capture
         raise ValueError(f"atol and rtol must be >= 0, got atol={atol}, rtol={rtol}")
+    if isinstance(inputs, (torch.Tensor, str, bytes, Mapping)):
+        # list() of a tensor is its rows: fn would be checked on rows, and say "ok".
+        raise TypeError(
+            "check_divergence's inputs is a list of input sets (two or more, the first one "
+            f"captured), got a {type(inputs).__name__}: pass [x0, x1], or [(x0, m0), (x1, m1)] "
+            "for several arguments"
+        )
     sets = list(inputs)
     if len(sets) < 2:
         raise ValueError(
@@ -550,12 +561,22 @@ def _same_value(x: Any, y: Any) -> bool:
         return True
     try:
         equal = x == y
+        if not isinstance(equal, bool) and getattr(equal, "ndim", None) == 0:
+            equal = bool(equal)  # numpy scalars (a break's np.float64) compare to np.bool_
         if isinstance(equal, bool):
-            both_nan = isinstance(x, float) and isinstance(y, float) and x != x and y != y
-            return equal or both_nan
+            return equal or (_is_nan(x) and _is_nan(y))
     except Exception:
         pass
     return True  # values that cannot be compared (arrays, custom objects) are not judged
+
+
+def _is_nan(value: Any) -> bool:
+    if not (isinstance(value, float) or getattr(value, "ndim", None) == 0):
+        return False
+    try:
+        return bool(value != value)
+    except Exception:
+        return False
 
 
 def _short(value: Any) -> str:

@@ -124,6 +124,11 @@ def _changed(label: str, before: dict[str, Any], after: dict[str, Any]) -> list[
         if isinstance(old, torch.Tensor):  # a generator's state
             if not (isinstance(new, torch.Tensor) and torch.equal(old, new)):
                 found.append(StateChange(f"{label}.{name}", "generator", "", ""))
-        elif name in after and new != old:
+        elif name in after and new is not old and new != old and not _both_nan(old, new):
             found.append(StateChange(f"{label}.{name}", "attribute", repr(old), repr(new)))
     return found
+
+
+def _both_nan(old: Any, new: Any) -> bool:
+    # float("nan") != itself: a NaN attribute the step leaves alone is no change.
+    return isinstance(old, float) and isinstance(new, float) and old != old and new != new
