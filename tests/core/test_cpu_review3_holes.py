@@ -3,6 +3,7 @@ failed before its fix. CPU only: the CPU graph backend captures and replays."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from bcg_core import (
     enable_breakable_cuda_graph,
     patch_attribute,
 )
+from bcg_core.bench import main
 
 # -- eager_on_graph over @staticmethod / @classmethod --------------------------------------------
 
@@ -178,3 +180,42 @@ def test_a_tensor_given_as_the_input_sets_is_refused() -> None:
     # list(tensor) is its rows: check_divergence(fn, x) checked fn on rows of x, "ok".
     with pytest.raises(TypeError, match="a list of input sets"):
         check_divergence(lambda x: x * 2, torch.randn(3, 4))
+
+
+# -- the bcg command ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--repeats", "0"],
+        ["demo", "--steps", "0"],
+        ["bench", "--smoke", "--steps", "-1"],
+        ["check", "x.py:f", "--divergence", "--atol", "nan"],
+        ["check", "x.py:f", "--divergence", "--rtol", "-1"],
+    ],
+)
+def test_counts_and_tolerances_out_of_range_are_usage_errors(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --repeats 0 ended in statistics' "no median for empty data", --steps 0 in a
+    # ZeroDivisionError after the whole run; a NaN or negative tolerance in a traceback.
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: bcg" in err and ("at least 1" in err or ">= 0" in err), err
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(
+    option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The run went to the end, then mkdir/write raised a traceback and the figures were lost.
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("")
+    for bad in (a_file / "out.json", tmp_path):
+        assert main(["bench", "--smoke", "break-overhead", option, str(bad)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "", out  # nothing ran
+        assert err.startswith(f"bcg bench: {option} {bad}") and err.count("\n") == 1, err

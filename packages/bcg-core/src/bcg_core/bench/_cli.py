@@ -7,6 +7,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -84,6 +85,11 @@ def bench(args: argparse.Namespace) -> int:
     if unknown:
         print(f"bcg bench: unknown workload(s) {unknown}; installed: {sorted(workloads)}")
         return 2
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        problem = None if path is None else _unwritable(path)
+        if problem is not None:  # said now, not after the whole run (whose figures it loses)
+            print(f"bcg bench: {option} {path}: {problem}", file=sys.stderr)
+            return 2
     device = _device()
     repeats = args.repeats if args.repeats is not None else (3 if args.smoke else 10)
     steps = args.steps if args.steps is not None else (3 if args.smoke else 20)
@@ -109,6 +115,42 @@ def bench(args: argparse.Namespace) -> int:
     for m in wrong:
         print(f"WRONG RESULT: {m.workload} {m.case} {m.contender} differs from eager")
     return 1 if wrong else 0
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why a file cannot be written at ``path`` (its missing folders are made then), or None."""
+    if path.is_dir():
+        return "is a folder; give a file name"
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"cannot write in {folder}"
+    return None
+
+
+def _at_least_one(text: str) -> int:
+    """An argparse type: a whole number >= 1 (0 repeats or steps leave nothing to time)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    """An argparse type: a number >= 0 (not NaN)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
 
 
 class _TargetError(Exception):
@@ -220,8 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit status: 0 on success; 1 when a result is wrong (a replay differs from eager,
-        a check fails); 2 for an unknown workload, or a ``bcg check`` target that cannot be
-        used (or ``--backend cuda`` without CUDA), reported in one line on stderr.
+        a check fails); 2 for an unknown workload, a ``--json``/``--plot`` path that cannot
+        be written (said before the run), or a ``bcg check`` target that cannot be used (or
+        ``--backend cuda`` without CUDA), reported in one line on stderr.
 
     Raises:
         SystemExit: bad command-line arguments (argparse's usage error, status 2), or a
@@ -230,14 +273,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bcg", description="Breakable CUDA graphs for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="capture the toy decoder and compare with eager")
-    p_demo.add_argument("--repeats", type=int, default=5)
-    p_demo.add_argument("--steps", type=int, default=10)
+    p_demo.add_argument("--repeats", type=_at_least_one, default=5)
+    p_demo.add_argument("--steps", type=_at_least_one, default=10)
     p_demo.set_defaults(func=demo)
     p_bench = sub.add_parser("bench", help="benchmark workloads against eager, graphs and peers")
     p_bench.add_argument("workload", nargs="*", help="workloads to run (default: all installed)")
     p_bench.add_argument("--smoke", action="store_true", help="tiny sizes, few repeats (CI)")
-    p_bench.add_argument("--repeats", type=int, default=None)
-    p_bench.add_argument("--steps", type=int, default=None, help="steps per timed repeat")
+    p_bench.add_argument("--repeats", type=_at_least_one, default=None)
+    p_bench.add_argument("--steps", type=_at_least_one, default=None, help="steps per timed repeat")
     p_bench.add_argument(
         "--skip", action="append", default=[], metavar="CONTENDER",
         help="leave a contender out (repeatable), e.g. --skip torch.compile",
@@ -255,8 +298,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the callable returns (fn, input_sets): compare eager and replay of fn over them",
     )  # fmt: skip
     p_check.add_argument("--backend", choices=("cpu", "cuda"), default=None)
-    p_check.add_argument("--atol", type=float, default=0.0, help="with --divergence (bitwise: 0)")
-    p_check.add_argument("--rtol", type=float, default=0.0, help="with --divergence (bitwise: 0)")
+    p_check.add_argument(
+        "--atol", type=_tolerance, default=0.0, help="with --divergence (bitwise: 0)"
+    )
+    p_check.add_argument(
+        "--rtol", type=_tolerance, default=0.0, help="with --divergence (bitwise: 0)"
+    )
     p_check.add_argument("--seed", type=int, default=0, help="with --divergence")
     p_check.set_defaults(func=check)
     args = parser.parse_args(argv)
