@@ -3,6 +3,7 @@ failed before its fix. CPU only: the CPU graph backend captures and replays."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
     PatchHandle,
+    breakable_graphs_disabled,
     check_divergence,
     eager_on_graph,
     enable_breakable_cuda_graph,
@@ -219,3 +221,26 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(
         out, err = capsys.readouterr()
         assert out == "", out  # nothing ran
         assert err.startswith(f"bcg bench: {option} {bad}") and err.count("\n") == 1, err
+
+
+# -- BCG_* variables with a value bcg does not read ---------------------------------------------
+
+
+def test_a_flag_variable_with_an_unknown_value_is_warned_about_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # BCG_DISABLE=2 (or "disable", "y") meant off without a word: a user ruling bcg out with it
+    # kept bcg on and blamed something else.
+    monkeypatch.setenv("BCG_DISABLE", " Review3-Odd ")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not breakable_graphs_disabled()
+        assert not breakable_graphs_disabled()
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert "BCG_DISABLE='review3-odd'" in messages[0] and "BCG_DISABLE=1" in messages[0]
+    for word in ("", "0", "off", "No", "1", "TRUE", " yes "):
+        monkeypatch.setenv("BCG_DISABLE", word)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert breakable_graphs_disabled() is (word.strip().lower() in ("1", "true", "yes"))

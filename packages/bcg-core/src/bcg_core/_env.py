@@ -1,12 +1,14 @@
 """bcg's environment variables, read one way: ``BCG_DISABLE``, ``BCG_PROFILE``, ``BCG_DEBUG``.
 
-Values are compared stripped and lower-cased; the words below are the only booleans accepted.
+Values are compared stripped and lower-cased; the words below are the only booleans accepted
+(another value of a boolean variable counts as off, with a warning once per value).
 Read at each call that needs them (never cached), so a variable set after import takes effect.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS = frozenset({"", "0", "false", "no", "off"})
@@ -42,4 +44,26 @@ class EnvFlag:
     def __call__(self) -> bool:
         if _POSIX_STORE is not None and self._key not in _POSIX_STORE:
             return False
-        return env_word(self.name) in TRUE_WORDS
+        word = env_word(self.name)
+        if word in TRUE_WORDS:
+            return True
+        if word not in FALSE_WORDS:
+            _warn_unknown(self.name, word)
+        return False
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_unknown(name: str, word: str) -> None:
+    """Say once per value that a boolean variable holds a word bcg does not read (it counts as
+    off): ``BCG_DISABLE=2`` silently left breakable graphs on."""
+    if (name, word) in _warned:
+        return
+    _warned.add((name, word))
+    warnings.warn(
+        f"bcg: {name}={word!r} is not a value bcg reads, so it counts as off; set {name}=1 "
+        "(or true, yes, on) to turn it on, or 0 (false, no, off, or unset it) for off",
+        RuntimeWarning,
+        stacklevel=3,
+    )
