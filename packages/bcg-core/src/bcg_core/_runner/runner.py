@@ -217,6 +217,9 @@ class BreakableGraphRunner:
         # a call in the other mode runs eagerly.
         self._mode_module = _mode_module(module)
         self._last_failure: tuple[Signature, str] | None = None  # set by _capture_failed
+        # Why the last call of a captured signature ran eagerly (set by the refusals, read by
+        # capture_many's report: only the refusal knows which rule it applied).
+        self._refused_why: str | None = None
         self._entries: OrderedDict[Signature, Entry] = OrderedDict()
         # The last hit's guard, signature and entry (see _guard_last).
         self._last: tuple[FlatGuard, Signature, Entry] | None = None
@@ -387,6 +390,7 @@ class BreakableGraphRunner:
                     c = self._counts
                     before = (c["captures"], c["failed"], c["hits"])
                     self._discard_outputs = True
+                    self._refused_why = None
                     try:
                         self(*args, **kwargs)
                     finally:
@@ -709,6 +713,8 @@ class BreakableGraphRunner:
             why = f"the {self.device.type} graph backend is not available"
         elif active_capture() is not None:
             why = "a breakable capture is open around capture_many"
+        elif self._refused_why is not None:
+            why = self._refused_why
         elif sig in self._blocked:
             why = f"its capture failed earlier ({self._blocked[sig]})"
         else:
@@ -744,6 +750,9 @@ class BreakableGraphRunner:
         """Run eagerly a call whose written argument shares memory with another argument or a
         tensor inside an object argument (see ``overlap.py``): a miss, said once."""
         self._counts["misses"] += 1
+        self._refused_why = (
+            "an argument the graph writes shares memory with another argument or object"
+        )
         paths = tensor_paths(sig)
         i, j = pair
         other = paths[j] if j < len(live) else tensor_paths(sig, "tensor@")[j - len(live)]
@@ -774,6 +783,10 @@ class BreakableGraphRunner:
         capture's was, while the capture's one has changed since: the graph's breaks read the
         capture's object (a miss, said once)."""
         self._counts["misses"] += 1
+        self._refused_why = (
+            f"its graph reads another {type(stale).__qualname__} object argument, changed "
+            "since the capture"
+        )
         self._misses.refused(
             "stale object",
             f"the graph for this call's signature was captured with another "
@@ -788,6 +801,10 @@ class BreakableGraphRunner:
         """Run eagerly a call under another autocast state than its graph's capture: the
         graph's kernels are the ones autocast chose then (a miss, warned once)."""
         self._counts["misses"] += 1
+        self._refused_why = (
+            "its signature's graph was captured under another autocast state (one runner per "
+            "autocast setting)"
+        )
         if not self._warned_autocast:
             self._warned_autocast = True
             logger.warning(
@@ -805,6 +822,10 @@ class BreakableGraphRunner:
         the graph holds the capture's mode (dropout on or off, batch-norm statistics used or
         updated), a miss warned once."""
         self._counts["misses"] += 1
+        self._refused_why = (
+            "its signature's graph was captured in the other train()/eval() mode (call "
+            "reset() after switching)"
+        )
         if not self._warned_training:
             self._warned_training = True
             mode = {True: "train()", False: "eval()"}
