@@ -39,3 +39,48 @@ def test_capture_many_names_why_a_captured_signature_ran_eagerly() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         (failed,) = runner.capture_many(calls).failed
     assert "autocast" in failed[1] and "shares memory" not in failed[1]
+
+
+def _calls(runner: BreakableGraphRunner) -> int:
+    s = runner.stats
+    return s.hits + s.misses + s.captures + s.failed_captures
+
+
+def test_every_call_is_counted_once() -> None:
+    # hits + misses + captures + failed captures = calls. A capture that disabled the runner
+    # (more segments than max_segments) ran the call eagerly and counted it nowhere, and so
+    # did a call a break made to its own runner (an eager run, like one inside a capture).
+    @eager_on_graph(name="r4.add")
+    def add(h: torch.Tensor) -> torch.Tensor:
+        return h + 1
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return add(_squash(x * 2) * 3) * 4
+
+    runner = BreakableGraphRunner(step, device="cpu", max_segments=1, warmup_iters=0)
+    x = torch.randn(3)
+    assert torch.equal(runner.capture(x), step(x))
+    assert runner.disabled_reason is not None
+    assert _calls(runner) == 1 and runner.stats.misses == 1
+    runner(x)
+    assert _calls(runner) == 2
+
+    holder: list[BreakableGraphRunner] = []
+    depth = [0]
+
+    @eager_on_graph(name="r4.reenter")
+    def reenter(y: torch.Tensor) -> torch.Tensor:
+        if depth[0]:
+            return y.clone()
+        depth[0] += 1
+        try:
+            return y + holder[0](y + 100)
+        finally:
+            depth[0] -= 1
+
+    inner = BreakableGraphRunner(lambda y: reenter(y * 2), device="cpu", warmup_iters=0)
+    holder.append(inner)
+    inner.capture(x)  # one capture, one nested call
+    inner(x)  # one hit, one nested call
+    assert _calls(inner) == 4
+    assert inner.stats.captures == 1 and inner.stats.hits == 1 and inner.stats.misses == 2

@@ -269,6 +269,10 @@ class BreakableGraphRunner:
                 self._counts["misses"] += 1  # a hit rate must not read 100% while nothing replays
                 return self.module(*args, **kwargs)
             if self._busy:
+                # A break of this runner's replay or capture calling it: an eager run, a miss
+                # (as inside another capture), so that every call is counted once.
+                self._counts["misses"] += 1
+                self._refused_why = "a break of this runner's own replay or capture called it"
                 return self.module(*args, **kwargs)
             if active_capture() is not None:
                 return self._inside_capture(args, kwargs)
@@ -674,6 +678,7 @@ class BreakableGraphRunner:
             )
             graph.reset()
             logger.warning("bcg: runner disabled: %s", self.disabled_reason)
+            self._counts["misses"] += 1  # served eagerly, as every call from now on
             return self.module(*call[0], **call[1])
         self._counts["captures"] += 1
         self._entries[sig] = entry

@@ -92,12 +92,16 @@ class CaptureReport:
 class RunnerStats:
     """Counters since construction (or the last :meth:`BreakableGraphRunner.reset`).
 
+    Every call counts once in ``hits``, ``misses``, ``captures`` or ``failed_captures`` (a call
+    whose replay raised counts in none).
+
     Attributes:
         hits: calls served by a replay.
         misses: calls run eagerly for want of a graph: an unknown signature outside a capture
             window, a blocked one, a call whose argument written by the graph shares
-            memory with another argument, or any call while the runner or breakable graphs
-            are disabled (``BCG_DISABLE``, ``max_segments``, no device).
+            memory with another argument, one made by a break of the runner's own replay or
+            capture, or any call while the runner or breakable graphs are disabled
+            (``BCG_DISABLE``, ``max_segments``: the capture that exceeded it too, no device).
         captures: successful captures.
         failed_captures: captures that raised (their signatures are blocked).
         evictions: entries dropped beyond ``max_entries`` (least recently used first).
