@@ -4,6 +4,10 @@ result or report, or an unclear error, and is now right or a clear error."""
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
+import pytest
 import torch
 
 from bcg_core import BreakableGraphRunner, eager_on_graph
@@ -84,3 +88,20 @@ def test_every_call_is_counted_once() -> None:
     inner(x)  # one hit, one nested call
     assert _calls(inner) == 4
     assert inner.stats.captures == 1 and inner.stats.hits == 1 and inner.stats.misses == 2
+
+
+@pytest.mark.parametrize(
+    ("item", "said"),
+    [
+        ((torch.ones(2),), "a tuple of 1 item (Tensor)"),
+        ((torch.ones(2), torch.ones(2)), "a tuple of 2 items (Tensor, Tensor)"),
+        (([torch.ones(2)], {}), "a tuple of 2 items (list, dict)"),
+        (torch.ones(2), "Tensor"),
+    ],
+)
+def test_capture_many_says_what_a_malformed_call_is(item: Any, said: str) -> None:
+    # An args tuple given without its kwargs dict, or a list of args, was refused with "item 0
+    # is tuple": what capture_many asks for is a tuple, so the error named nothing wrong.
+    runner = BreakableGraphRunner(lambda x: x * 2, device="cpu")
+    with pytest.raises(TypeError, match=re.escape(f"item 0 is {said}")):
+        runner.capture_many([item])

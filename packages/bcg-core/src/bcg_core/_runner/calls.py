@@ -19,9 +19,18 @@ def check_call(index: int, call: Any) -> Call:
     ):
         raise TypeError(
             f"capture_many takes (args, kwargs) pairs, e.g. [((x,), {{}}), ((y,), {{'t': t}})]; "
-            f"item {index} is {type(call).__name__}"
+            f"item {index} is {_describe(call)}"
         )
     return call
+
+
+def _describe(item: Any) -> str:
+    """What a malformed ``capture_many`` item is: a tuple by its items' types (an args tuple
+    without its kwargs is a tuple too, so its type alone names nothing wrong)."""
+    if not isinstance(item, tuple):
+        return type(item).__name__
+    types = ", ".join(type(x).__name__ for x in item[:4]) + (", ..." if len(item) > 4 else "")
+    return f"a tuple of {len(item)} item{'' if len(item) == 1 else 's'} ({types})"
 
 
 def call_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
