@@ -13,6 +13,8 @@ The model, prompts, configs and the one stub (the engine's free-memory query) ar
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -174,3 +176,33 @@ def test_removed_handle_stats_stop_changing() -> None:
         generate(model)
         assert first.stats() == frozen
         assert second.stats().replays > frozen.replays
+
+
+# -- two engines of one model on two threads ----------------------------------------------------
+
+
+def test_two_engines_of_one_model_count_every_batch_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two engines of the model at once, one started inside ``disable_breakable_graphs()``:
+    every batch counts once (graph, replay, eager call or first batch). A replay was told
+    from an eager run by the model's shared eager count moving meanwhile, so the other
+    engine's eager batches turned this one's replays into nothing."""
+    model = make_model()
+    eager = generate(model)
+    buckets = Buckets(monkeypatch)
+    results: dict[str, list[list[int]]] = {}
+
+    def run(disabled: bool) -> None:
+        with bcg_core.disable_breakable_graphs() if disabled else contextlib.nullcontext():
+            results[f"{disabled}"] = generate(model)
+
+    with bcg_core.enable_continuous_batching(model, capture_after=0) as handle:
+        for _ in range(2):
+            threads = [threading.Thread(target=run, args=(d,)) for d in (False, True)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert results == {"False": eager, "True": eager}
+        s = handle.stats()
+    assert s.graphs + s.replays + s.eager_calls + s.first_batches == len(buckets.seen)
+    assert s.replays > 0 and s.eager_calls > 0

@@ -474,6 +474,10 @@ class _Session:
         self.batches: dict[int, int] = {}  # bucket -> batches served before its capture
         self.warming_up = False
         self._call: tuple[Any, ...] | None = None
+        # This engine's own eager runs of the step (its thread alone runs them): a replay is
+        # told from an eager run by it, not by the record's count, which another engine of
+        # the model (another thread) may move meanwhile.
+        self._eager_runs = 0
 
     def release(self) -> None:
         """Give the runner back its own padding rule (its model is no longer enabled)."""
@@ -497,15 +501,16 @@ class _Session:
                 if bucket in self.captured or breakable_graphs_disabled():
                     # Disabled, the runner runs the batch eagerly (an eager call, not a first
                     # batch: it does not count towards the bucket's capture).
-                    eager = self.record.eager_calls
+                    eager = self._eager_runs
                     self.runner(bucket)
-                    self.record.replays += self.record.eager_calls == eager  # not run eagerly
+                    if self._eager_runs == eager:  # not run eagerly
+                        self._count("replays")
                 elif self.warming_up or self.batches.get(bucket, 0) >= self.record.capture_after:
                     self._capture(bucket)
                 else:
                     # Not yet recurring: served eagerly, as the engine without graphs would.
                     self.batches[bucket] = self.batches.get(bucket, 0) + 1
-                    self.record.first_batches += 1
+                    self._count("first_batches")
                     tf_runner._forward_process_and_sample(model, batch_data, *cb_kwargs)
         finally:
             _live_batch.reset(token)
@@ -518,16 +523,23 @@ class _Session:
         if stats.captures == before:
             return  # graphs disabled or the capture failed: the batch ran eagerly
         self.captured.add(bucket)
-        self.record.graphs += 1
+        self._count("graphs")
         size = stats.entries[-1].pool_bytes
         if size is not None:
-            self.record.graph_bytes = max(size, self.record.graph_bytes or 0)
+            with _lock:
+                self.record.graph_bytes = max(size, self.record.graph_bytes or 0)
+
+    def _count(self, counter: str) -> None:
+        # Under the lock: engines of one model share its record from their own threads.
+        with _lock:
+            setattr(self.record, counter, getattr(self.record, counter) + 1)
 
     def _step(self, bucket: int) -> None:
         assert self._call is not None, "the step runs inside compute() only"
         tf_runner, model, batch_data, cb_kwargs = self._call
         if not is_in_breakable_cuda_graph():
-            self.record.eager_calls += 1
+            self._eager_runs += 1
+            self._count("eager_calls")
         tf_runner._forward_process_and_sample(model, batch_data, *cb_kwargs)
 
 
