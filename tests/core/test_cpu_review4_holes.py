@@ -105,3 +105,54 @@ def test_capture_many_says_what_a_malformed_call_is(item: Any, said: str) -> Non
     runner = BreakableGraphRunner(lambda x: x * 2, device="cpu")
     with pytest.raises(TypeError, match=re.escape(f"item 0 is {said}")):
         runner.capture_many([item])
+
+
+def test_a_break_calling_a_runner_of_the_same_pool_runs_it_eagerly() -> None:
+    # Graphs of one pool run one at a time: a replay of runner B inside a replay of runner A
+    # (A's break calls B) could overwrite intermediates A's graph still reads on CUDA. The
+    # re-entry guard was per runner, so B replayed; now B runs eagerly, a miss.
+    inner = BreakableGraphRunner(lambda t: t * 3 + 1, device="cpu", warmup_iters=0)
+
+    @eager_on_graph(name="rh4.calls_inner")
+    def calls_inner(t: torch.Tensor) -> torch.Tensor:
+        return inner(t) + 0
+
+    outer = BreakableGraphRunner(
+        lambda t: calls_inner(t * 2) - 1, device="cpu", warmup_iters=0, pool=inner.pool
+    )
+    x = torch.randn(5)
+    inner.capture(x)
+    outer.capture(x)
+    before = inner.stats
+    for _ in range(3):
+        y = torch.randn(5)
+        assert torch.equal(outer(y), (y * 2) * 3 + 1 - 1)
+    after = inner.stats
+    assert after.hits == before.hits and after.misses == before.misses + 3
+    assert outer.stats.hits == 3
+    assert torch.equal(inner(x), x * 3 + 1) and inner.stats.hits == before.hits + 1
+
+
+def test_reset_from_a_break_of_the_runners_own_replay_is_refused() -> None:
+    holder: list[BreakableGraphRunner] = []
+    armed = [False]
+
+    @eager_on_graph(name="rh4.resets")
+    def resets(t: torch.Tensor) -> torch.Tensor:
+        if armed[0]:
+            holder[0].reset()
+        return t + 1
+
+    runner = BreakableGraphRunner(lambda t: resets(t * 2) * 3, device="cpu", warmup_iters=0)
+    holder.append(runner)
+    x = torch.randn(4)
+    runner.capture(x)
+    armed[0] = True
+    with pytest.raises(RuntimeError, match="from a break of its own replay"):
+        runner(x)
+    armed[0] = False
+    assert runner.stats.captures == 1  # nothing was reset
+    y = torch.randn(4)
+    assert torch.equal(runner(y), (y * 2 + 1) * 3)
+    runner.reset()
+    assert runner.stats.captures == 0

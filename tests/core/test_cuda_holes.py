@@ -189,3 +189,29 @@ def test_a_host_tensor_copied_in_a_segment_is_refused_with_what_to_do() -> None:
     (why,) = runner.blocked_signatures.values()
     assert "Cannot copy between CPU and CUDA" in why and "@eager_on_graph" in why
     assert torch.equal(runner(x), step(x))
+
+
+def test_a_break_calling_a_runner_of_the_same_pool_leaves_the_running_graph_intact() -> None:
+    # The outer graph keeps h alive across its break; a runner captured later in the same pool
+    # may be given h's block for its own intermediates. Its replay inside the outer replay (the
+    # break calls it) overwrote h before the outer graph read it again; it now runs eagerly.
+    n = 1 << 18
+    inner = BreakableGraphRunner(lambda t: (t * 5).sin() * 7, warmup_iters=1)
+
+    @eager_on_graph(name="cuda_holes.calls_inner")
+    def calls_inner(t: torch.Tensor) -> torch.Tensor:
+        return inner(t)
+
+    def outer_step(x: torch.Tensor) -> torch.Tensor:
+        h = (x * 3).cos()  # read again after the break
+        return calls_inner(x + 1) + h
+
+    outer = BreakableGraphRunner(outer_step, warmup_iters=1, pool=inner.pool)
+    x = torch.randn(n, device="cuda")
+    outer.capture(x)
+    inner.capture(x + 1)
+    for _ in range(3):
+        y = torch.randn(n, device="cuda")
+        want = ((y + 1) * 5).sin() * 7 + (y * 3).cos()
+        torch.testing.assert_close(outer(y), want, rtol=0, atol=1e-5)
+    assert outer.stats.hits == 3

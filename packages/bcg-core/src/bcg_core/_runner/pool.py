@@ -33,6 +33,10 @@ class PoolTurn:
 
     def __init__(self, backend: GraphBackend) -> None:
         self.lock = threading.RLock()
+        # The user (a runner) capturing or replaying in this pool now, set on the thread that
+        # holds the lock: a break of it that calls a user of the same pool gets an eager run,
+        # since a replay there would overwrite intermediates the running graph still reads.
+        self.busy: object | None = None
         self._backend = backend
         self._stream: Any = None  # of the last use; None before the first
 

@@ -208,9 +208,6 @@ class BreakableGraphRunner:
         self._lift = self._scalars.lift if self._scalars else None
         self._window = 0
         self._discard_outputs = False  # capture_many: no clone of outputs nobody reads
-        # Set while this runner captures or replays (on the thread holding the lock): a break
-        # that calls the runner again gets an eager run, not its own graph half-way through.
-        self._busy = False
         self._warned_autocast = False
         self._warned_training = False
         # The module whose train()/eval() mode a graph holds (dropout, batch-norm statistics):
@@ -268,11 +265,15 @@ class BreakableGraphRunner:
                 self._announce_eager()
                 self._counts["misses"] += 1  # a hit rate must not read 100% while nothing replays
                 return self.module(*args, **kwargs)
-            if self._busy:
-                # A break of this runner's replay or capture calling it: an eager run, a miss
-                # (as inside another capture), so that every call is counted once.
+            if self._turn.busy is not None:
+                # A break of this runner's replay or capture, or of another runner's on the same
+                # pool, calling it: an eager run, not a graph of the pool half-way through
+                # another; a miss (as inside another capture), so every call is counted once.
                 self._counts["misses"] += 1
-                self._refused_why = "a break of this runner's own replay or capture called it"
+                self._refused_why = (
+                    "a break of a replay or capture in this runner's pool (its own or a runner "
+                    "sharing the pool) called it"
+                )
                 return self.module(*args, **kwargs)
             if active_capture() is not None:
                 return self._inside_capture(args, kwargs)
@@ -473,8 +474,19 @@ class BreakableGraphRunner:
         returns to the allocator once nothing else holds it (``torch.cuda.empty_cache()``
         then returns it to the device). A pool given with ``pool=`` is kept for later
         captures: the graphs' blocks return to it, for whoever shares it.
+
+        Raises:
+            RuntimeError: called from a break of this runner's own replay or capture (nothing
+                is reset then).
         """
         with self._lock:
+            if self._turn.busy is self:
+                # A break of this runner's own replay or capture: the graph running now would
+                # be reset under it.
+                raise RuntimeError(
+                    f"{type(self).__name__}.reset() was called from a break of its own replay "
+                    "or capture; call it after the runner's call has returned"
+                )
             self._turn.drain()
             for entry in self._entries.values():
                 entry.graph.reset()
@@ -548,14 +560,14 @@ class BreakableGraphRunner:
             # a replay (replaying the graph inside its own check would overwrite its buffers).
             stream = self._graph_backend.current_stream(self._stream_device)
             self._turn.wait(stream)
-            self._busy = True
+            self._turn.busy = self
             try:
                 with _capture_mode(entry.inference):
                     return runner_divergence(
                         self.module, entry.graph, entry.output, load, self.replay_context
                     )
             finally:
-                self._busy = False
+                self._turn.busy = None
                 self._turn.record(stream)
 
     @property
@@ -635,7 +647,7 @@ class BreakableGraphRunner:
     ) -> Any:
         pool, lane = self.pool, self.stream
         current = self._graph_backend.current_stream(self.device)
-        self._busy = True
+        self._turn.busy = self
         try:
             entry = capture_entry(
                 self.module,
@@ -653,7 +665,7 @@ class BreakableGraphRunner:
                 capture_error_mode=self.capture_error_mode,
             )
         except BaseException as exc:
-            self._busy = False
+            self._turn.busy = None
             if self._owns_pool:
                 # A capture that failed half-way can leave torch routing host allocations to
                 # the pool; later captures start in a fresh one (the graphs made keep theirs).
@@ -661,7 +673,7 @@ class BreakableGraphRunner:
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt, SystemExit: the pool rule kept, the signature not blamed
             return self._capture_failed(sig, exc, call)
-        self._busy = False
+        self._turn.busy = None
         if self._mode_module is not None:
             entry.training = self._mode_module.training
         graph = entry.graph
@@ -850,7 +862,7 @@ class BreakableGraphRunner:
         # Static buffers and pool memory are free once the last use of the pool is done.
         turn.wait(stream)
         token = flag_on()
-        self._busy = True
+        self._turn.busy = self
         # The graph runs in the capture's inference mode: its bridges and what its breaks read
         # are inference tensors or not as at capture, and writing them in the other mode
         # raises. Written arguments are copied back and the output cloned in the caller's
@@ -890,7 +902,7 @@ class BreakableGraphRunner:
             entry.store(live, versions)
             out = entry.output if self.return_views else entry.clone()
         finally:
-            self._busy = False
+            self._turn.busy = None
             flag_reset(token)
             turn.record(stream)
         entry.replays += 1
