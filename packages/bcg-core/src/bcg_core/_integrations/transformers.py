@@ -78,7 +78,9 @@ def breakable_attention(base: str = "sdpa") -> str:
 
     Args:
         base: the implementation to wrap (default ``"sdpa"``), optionally with the ``paged|``
-            prefix; a name that already starts with ``bcg_`` is returned as it is.
+            prefix; a name that already starts with ``bcg_`` is returned as it is once
+            registered, and otherwise stands for its base (``"bcg_eager"`` registers
+            ``"eager"``'s breakable version).
 
     Returns:
         The registered name, ``"bcg_" + base`` (after a ``paged|`` prefix).
@@ -95,7 +97,13 @@ def breakable_attention(base: str = "sdpa") -> str:
     paged = base.startswith(_PAGED)
     plain = base.removeprefix(_PAGED)
     if plain.startswith(PREFIX):
-        return base  # already breakable
+        if base in attention_interface._global_mapping:
+            return base  # already breakable (or the user's own name)
+        # A bcg name not registered yet (a fresh process, a config saved with it): register its
+        # base; returning the bare name made transformers refuse it as unknown at model load,
+        # and a base that does not exist went unnoticed until then.
+        plain = plain.removeprefix(PREFIX)
+        base = (_PAGED if paged else "") + plain
     if "flash" in plain:
         raise ValueError(
             f"breakable_attention({base!r}): transformers' flash attention functions choose their "
