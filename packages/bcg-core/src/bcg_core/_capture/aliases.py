@@ -42,8 +42,16 @@ def alias_tensor(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def has_memory_layout(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a strided tensor with one storage (not sparse, nested or another
+    layout): only those have the address, strides and storage that aliases, layouts and bridges
+    read (torch raises a raw internal error for the others)."""
+    return t.layout is torch.strided and not t.is_nested
+
+
 def alias_tree(obj: Any, device_types: frozenset[str], device_type: str) -> Any:
-    """``obj`` with every tensor on ``device_types`` replaced by :func:`alias_tensor`.
+    """``obj`` with every tensor on ``device_types`` replaced by :func:`alias_tensor`; a sparse
+    or nested tensor has no single storage to alias and is held as it is.
 
     Containers (lists, dicts, tuples) holding a tensor of the graph's ``device_type`` are
     therefore rebuilt, so a host value in them is the capture's at every replay (an engine
@@ -52,6 +60,8 @@ def alias_tree(obj: Any, device_types: frozenset[str], device_type: str) -> Any:
     so that it replays what CUDA replays."""
 
     def leaf(t: torch.Tensor) -> torch.Tensor:
+        if not has_memory_layout(t):
+            return t
         if t.device.type in device_types:
             return alias_tensor(t)
         if t.device.type == device_type and not device_types and not t.requires_grad:
@@ -66,10 +76,12 @@ _ArgumentLayout = tuple[torch.Size, tuple[int, ...], Any, int]  # offset: an int
 
 
 def argument_layouts(arguments: Any) -> list[_ArgumentLayout]:
-    """The layout of each tensor in a break's arguments (not inside objects), in walk order."""
+    """The layout of each strided tensor in a break's arguments (not inside objects), in walk
+    order. Sparse and nested tensors have none (reading it raised torch's internal error)."""
     return [
         (t.shape, t.stride(), t.storage_offset(), t.untyped_storage().data_ptr())
         for t in _trees.tensor_leaves(arguments, into_objects=False)
+        if has_memory_layout(t)
     ]
 
 
@@ -80,7 +92,9 @@ def refuse_changed_arguments(name: str, before: list[_ArgumentLayout], arguments
     replay of ``h.t_()`` computes with ``h`` untransposed). Filling an empty tensor (an
     ``out=`` buffer resized once) repeats harmlessly and is allowed. A container argument that
     changed (items added or removed) is not judged: a replay passes it as it is now."""
-    tensors = _trees.tensor_leaves(arguments, into_objects=False)
+    tensors = [
+        t for t in _trees.tensor_leaves(arguments, into_objects=False) if has_memory_layout(t)
+    ]
     if len(tensors) != len(before):
         return
     for t, (shape, stride, offset, storage) in zip(tensors, before, strict=True):

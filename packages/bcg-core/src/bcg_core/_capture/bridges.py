@@ -31,7 +31,7 @@ from typing import Any, cast
 import torch
 
 from bcg_core import _trees
-from bcg_core._capture.aliases import alias_tensor
+from bcg_core._capture.aliases import alias_tensor, has_memory_layout
 from bcg_core._errors import BreakOutputError
 
 
@@ -130,6 +130,7 @@ class Bridge:
         # The aliases, which memory accounting counts in the pool, not as bridge memory.
         self.pooled = tuple(pooled)
         leaves, self._spec = _trees.flatten(output)
+        self._refuse_unbridgeable(leaves)
         # Fresh outputs are checked against metadata read once: nothing else reaches the
         # bridge's tensors, so their shape, dtype and address never change.
         # An expanded output (stride 0 along some dimensions: a broadcast mask, positions)
@@ -166,6 +167,20 @@ class Bridge:
             or type(output) in _trees.PLAIN_VALUES
             or (self._flat is not None and self._flat[0] is tuple)
         )
+
+    def _refuse_unbridgeable(self, leaves: list[Any]) -> None:
+        """A sparse or nested tensor has no fixed memory that a replay could copy its new
+        values into (its number of elements, its indices, its parts may change): refused by
+        path (reading its address raised torch's raw internal error)."""
+        for path, x in zip(_trees.key_paths(self._spec, "output"), leaves, strict=True):
+            if isinstance(x, torch.Tensor) and not has_memory_layout(x):
+                kind = "nested" if x.is_nested else f"{x.layout} (sparse)".replace("torch.", "")
+                raise BreakOutputError(
+                    f"break {self._name!r} returned {path} (a {kind} tensor); a break's tensor "
+                    "outputs are copied into fixed memory at every replay, which only a dense "
+                    "(strided) tensor has. Return its dense form (.to_dense(), or the nested "
+                    "tensor's .unbind() parts), or its values and indices as dense tensors."
+                )
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -363,7 +378,7 @@ def _shared_memory(meta: list[Any], arguments: Any) -> tuple[frozenset[int], tup
     taken = {
         t.untyped_storage().data_ptr()
         for t in _trees.flatten(arguments)[0]
-        if isinstance(t, torch.Tensor) and t.device.type != "meta"
+        if isinstance(t, torch.Tensor) and t.device.type != "meta" and has_memory_layout(t)
     }
     pinned = frozenset(i for i, m in enumerate(meta) if m[0].untyped_storage().data_ptr() in taken)
     by_storage: dict[int, list[int]] = {}

@@ -203,14 +203,17 @@ class CaptureState:
             logger.warning("bcg: running break %r at capture", name)
         if self.barrier_fn is not None:
             self.barrier_fn()
-        self.in_break = True
-        self.tracker.begin_break()
         fresh: FreshTensorTracker | None = None
         pooling = bool(self.backend.alias_device_types)
         debugging = self.debug is not DebugLevel.OFF
         given = argument_tensors((args, kwargs)) if debugging else []
         layouts = argument_layouts((args, kwargs))
         modes = current_modes()  # what the code around the break set up (autocast, inference)
+        # Marked inside the break only now, right before the try that unmarks it: an error
+        # reading the arguments above left the capture marked, and every later break of a
+        # capture that caught it ran as a plain call, never replayed.
+        self.in_break = True
+        self.tracker.begin_break()
         raised = False
         try:
             # The break allocates outside the pool: its temporaries are not graph memory (a

@@ -1,0 +1,113 @@
+"""Holes a fifth adversarial review found in the hand-written capture API, break semantics and
+compiled breaks, on the CPU backend: each was a raw internal error, a silently wrong result or
+state left behind, and is now right or a clear error."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    BreakOutputError,
+    eager_on_graph,
+    enable_breakable_cuda_graph,
+)
+
+
+def _capture(fn: Callable[[], Any]) -> tuple[BreakableCUDAGraph, Any]:
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        out = fn()
+    return graph, out
+
+
+_ADJACENCY = torch.tensor([[0.0, 1, 0], [0, 0, 2], [3, 0, 0]]).to_sparse()
+
+
+@eager_on_graph(name="r5.spmm")
+def _spmm(x: torch.Tensor, adjacency: torch.Tensor) -> torch.Tensor:
+    return torch.sparse.mm(adjacency, x.unsqueeze(1)).squeeze(1)
+
+
+_calls: list[str] = []
+
+
+@eager_on_graph(name="r5.count")
+def _count(x: torch.Tensor) -> torch.Tensor:
+    _calls.append("count")
+    return x * 2
+
+
+def test_a_sparse_argument_is_taken_and_the_capture_goes_on_breaking() -> None:
+    # Reading a sparse argument's layout raised torch's raw "Cannot access storage of
+    # SparseTensorImpl", after the capture had marked itself inside a break: code that caught
+    # the error went on capturing with every later break a plain call, never replayed.
+    x = torch.arange(3.0)
+
+    def step() -> torch.Tensor:
+        y = _spmm(x * 1, _ADJACENCY) + 1
+        return _count(y) + 0
+
+    graph, out = _capture(step)
+    assert graph.num_breaks == 2
+    x.copy_(torch.tensor([4.0, 5, 6]))
+    _calls.clear()
+    graph.replay()
+    assert _calls == ["count"]
+    assert torch.equal(out, (torch.sparse.mm(_ADJACENCY, x.unsqueeze(1)).squeeze(1) + 1) * 2)
+
+
+@eager_on_graph(name="r5.layout_reader")
+def _reads_nested(x: torch.Tensor, nested: torch.Tensor) -> torch.Tensor:
+    return x + nested.unbind()[0].sum()
+
+
+def test_a_nested_argument_is_taken_as_it_is() -> None:
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    x = torch.arange(3.0)
+    graph, out = _capture(lambda: _reads_nested(x * 1, nested) + 1)
+    x.copy_(torch.tensor([4.0, 5, 6]))
+    graph.replay()
+    assert torch.equal(out, x + 3)
+
+
+@eager_on_graph(name="r5.sparse_out")
+def _sparse_out(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2).to_sparse()
+
+
+@eager_on_graph(name="r5.nested_out")
+def _nested_out(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x + 1, torch.nested.nested_tensor([x * 2, x[:2] * 3])
+
+
+@pytest.mark.parametrize(
+    ("call", "where"),
+    [(_sparse_out, r"output \(a sparse"), (_nested_out, r"output\[1\] \(a nested")],
+    ids=["sparse", "nested"],
+)
+def test_a_sparse_or_nested_output_is_refused_by_name_and_the_capture_goes_on(
+    call: Callable[[torch.Tensor], Any], where: str
+) -> None:
+    # Both raised torch's raw "Cannot access data pointer" / "NestedTensorImpl doesn't support
+    # sizes. Please file an issue." at capture.
+    x = torch.arange(3.0)
+    _calls.clear()
+
+    def step() -> torch.Tensor:
+        with pytest.raises(BreakOutputError, match=where):
+            call(x * 1)
+        return _count(x + 1) + 0
+
+    graph, out = _capture(step)
+    assert graph.break_names == ("r5.count",)  # the refused call is no step
+    x.copy_(torch.tensor([4.0, 5, 6]))
+    _calls.clear()
+    graph.replay()
+    assert _calls == ["count"]
+    assert torch.equal(out, (x + 1) * 2)
