@@ -14,6 +14,7 @@ from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
     BreakOutputError,
+    ReplayError,
     eager_on_graph,
     enable_breakable_cuda_graph,
 )
@@ -111,3 +112,34 @@ def test_a_sparse_or_nested_output_is_refused_by_name_and_the_capture_goes_on(
     graph.replay()
     assert _calls == ["count"]
     assert torch.equal(out, (x + 1) * 2)
+
+
+_graphs: dict[str, BreakableCUDAGraph] = {}
+
+
+@eager_on_graph(name="r5.resetter")
+def _resets_its_graph(x: torch.Tensor) -> torch.Tensor:
+    if "graph" in _graphs:
+        _graphs["graph"].reset()
+    return x + 1
+
+
+def test_reset_from_a_break_of_the_graphs_own_replay_is_refused() -> None:
+    # The replay went on over the reset graph: on CUDA the next segment raised torch's raw
+    # "replay without a preceding successful capture"; on the CPU backend it replayed silently
+    # and left the graph empty.
+    x = torch.arange(3.0)
+    _graphs.clear()
+    graph, out = _capture(lambda: _resets_its_graph(x * 2) * 3)
+    _graphs["graph"] = graph
+    try:
+        with pytest.raises(ReplayError, match="from a break of its own replay"):
+            graph.replay()
+    finally:
+        del _graphs["graph"]
+    assert graph.is_captured
+    x.copy_(torch.tensor([4.0, 5, 6]))
+    graph.replay()
+    assert torch.equal(out, (x * 2 + 1) * 3)
+    graph.reset()  # after the replay: allowed
+    assert not graph.is_captured

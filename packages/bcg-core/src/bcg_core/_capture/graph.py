@@ -165,6 +165,7 @@ class BreakableCUDAGraph:
         self._owns_pool = pool is None
         self._state = _State.EMPTY
         self._lock = threading.Lock()
+        self._replaying = 0  # replays running now: reset() under one would drop its segments
 
     def pool(self) -> Any:
         """This graph's memory pool handle, created on first use.
@@ -258,6 +259,7 @@ class BreakableCUDAGraph:
         if self._modes is not None and (now := current_modes()) != self._modes:
             plan = self._plan_under(now)
         i = 0
+        self._replaying += 1
         try:
             for i, run in enumerate(plan):  # noqa: B007 (i names the step that raised)
                 run()
@@ -265,6 +267,8 @@ class BreakableCUDAGraph:
             if hasattr(exc, "add_note"):  # Python >= 3.11
                 exc.add_note(f"bcg: raised at replay by {self._step_label(i)}")
             raise
+        finally:
+            self._replaying -= 1
 
     def reset(self) -> None:
         """Drop all segments and breaks (and their bridges); keep the pool for the next capture.
@@ -272,11 +276,19 @@ class BreakableCUDAGraph:
         Leaves the graph empty, ready for a new capture, also after a failed one.
 
         Raises:
-            ReplayError: this graph is being captured right now.
+            ReplayError: this graph is being captured or replayed right now (a break of its
+                own replay called it).
         """
         with self._lock:
             if self._state is _State.CAPTURING:
                 raise ReplayError("reset() was called while this graph is being captured")
+            if self._replaying:
+                # The running replay would go on over dropped segments: torch's raw "replay
+                # without a preceding successful capture" on CUDA, silently on the CPU backend.
+                raise ReplayError(
+                    "reset() was called while this graph is being replayed (from a break of "
+                    "its own replay, or on another thread); call it after replay() has returned"
+                )
             for step in self._steps:
                 if isinstance(step, SegmentStep):
                     step.segment.reset()
