@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._dynamo
 
 from bcg_core import (
     BreakableCUDAGraph,
@@ -143,3 +144,28 @@ def test_reset_from_a_break_of_the_graphs_own_replay_is_refused() -> None:
     assert torch.equal(out, (x * 2 + 1) * 3)
     graph.reset()  # after the replay: allowed
     assert not graph.is_captured
+
+
+@eager_on_graph(name="r5.scale")
+def _scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w
+
+
+def _scaled_loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (_scale(x.sin(), w) + 1).sum()
+
+
+def test_a_compiled_break_taking_a_tensor_that_requires_grad_trains() -> None:
+    # The opaque op has no autograd formula: AOTAutograd failed the compile with torch's raw
+    # "Trying to backward through bcg.opaque.default but no autograd formula was registered".
+    torch._dynamo.reset()
+    compiled = torch.compile(_scaled_loss, backend="aot_eager")
+    x = torch.randn(4)
+    w = torch.randn(4, requires_grad=True)
+    compiled(x, w).backward()
+    got = w.grad
+    w.grad = None
+    _scaled_loss(x, w).backward()
+    assert got is not None and torch.allclose(got, w.grad)
+    with torch.no_grad():  # inference still compiles the break as one op
+        assert torch.allclose(compiled(x, w), _scaled_loss(x, w))

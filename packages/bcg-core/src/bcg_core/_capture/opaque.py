@@ -164,11 +164,16 @@ def _registered(fid: int) -> tuple[Callable[..., Any], Callable[..., Any], str]:
 
 
 def traceable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether an opaque call can take these arguments (read by dynamo at trace time)."""
-    return all(
-        leaf is None or isinstance(leaf, (torch.Tensor, *CONSTANT_TYPES))
-        for leaf in pytree.tree_leaves((args, kwargs))
-    )
+    """Whether an opaque call can take these arguments (read by dynamo at trace time). Not
+    when grad mode is on and a tensor argument requires grad: the op has no autograd formula
+    (AOTAutograd failed the compile with "Trying to backward through bcg.opaque.default"), so
+    that call is a dynamo graph break, and autograd runs through the eager break."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    kinds = (torch.Tensor, *CONSTANT_TYPES)
+    if not all(leaf is None or isinstance(leaf, kinds) for leaf in leaves):
+        return False
+    grad = torch.is_grad_enabled()
+    return not (grad and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves))
 
 
 # Stands for ``None`` across the nonstrict call, whose inputs and outputs must be graph types
