@@ -444,7 +444,8 @@ def _fresh_outputs(
     earlier output cloned, and given ``made`` (a test for "the call made this tensor and
     nothing else holds it"), every tensor that fails it: an op's outputs may alias nothing, and
     compiled code reuses an op's output buffer for its own results. Given the break's ``name``,
-    an output that aliases an input is warned about once (compiled code sees a copy of it)."""
+    an output that aliases an input or an earlier output is warned about once (compiled code
+    sees a copy of it)."""
     flat, spec = pytree.tree_flatten(result)
     inputs_at = {t.untyped_storage()._cdata for t in inputs}
     seen = set(inputs_at)
@@ -455,6 +456,8 @@ def _fresh_outputs(
             if at in seen:
                 if name and at in inputs_at:
                     _warn_alias(name)
+                elif name:
+                    _warn_twin(name)
                 x = x.clone()
             elif made is not None and not made(x):
                 x = x.clone()
@@ -484,6 +487,20 @@ def _warn_alias(name: str) -> None:
             "so the code after it gets a copy: writes through the output do not reach the "
             "argument, and later writes into the argument do not show in the output. Return "
             "a new tensor, or write into the argument and return nothing.",
+            stacklevel=2,
+        )
+
+
+def _warn_twin(name: str) -> None:
+    # Eager code after the break sees one memory for both (a write through one shows in the
+    # other); compiled code got separate copies silently before.
+    if _first_time(("twin", name)):
+        warnings.warn(
+            f"bcg: break {name!r} returned tensors that share memory (one tensor twice, or "
+            "views of one tensor); under torch.compile a break is an op, whose outputs may "
+            "alias nothing, so the code after it gets separate copies: a write through one "
+            "does not show in the other. Return separate tensors, or one tensor and take the "
+            "views after the break.",
             stacklevel=2,
         )
 
