@@ -1,11 +1,13 @@
-"""Two holes of the continuous-batching integration, on the CPU graph backend (a tiny Llama with
-random weights, greedy, float32):
+"""Holes of the continuous-batching integration, on the CPU graph backend (a tiny Llama with
+random weights, greedy unless said, float32):
 
 - ``disable_breakable_graphs()`` around ``generate_batch`` must reach the engine's own thread
   (a context variable does not cross threads by itself): every batch eager, none captured.
 - An engine that outlives its handle must stop reporting to it: once the model is enabled
   again, its batches count on (and follow the settings of) the new handle; while the model is
   not enabled they run transformers' code; a removed handle's stats no longer change.
+- The engine's warm-up (its largest bucket, captured at once) must capture when sampling: its
+  made-up request reads cache rows nothing wrote, NaN logits failed ``torch.multinomial``.
 
 The model, prompts, configs and the one stub (the engine's free-memory query) are those of
 ``test_cpu_continuous_batching.py``.
@@ -19,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 import bcg_core
 
@@ -34,6 +37,8 @@ from test_cpu_continuous_batching import (  # noqa: E402
     prompts,
 )
 from test_cpu_continuous_batching import generate as generate_by_id  # noqa: E402
+from transformers.generation.continuous_batching import model_runner  # noqa: E402
+from transformers.generation.continuous_batching.cache import PagedAttentionCache  # noqa: E402
 from transformers.generation.continuous_batching.input_outputs import (  # noqa: E402
     ContinuousBatchingIOs,
 )
@@ -206,3 +211,80 @@ def test_two_engines_of_one_model_count_every_batch_once(monkeypatch: pytest.Mon
         s = handle.stats()
     assert s.graphs + s.replays + s.eager_calls + s.first_batches == len(buckets.seen)
     assert s.replays > 0 and s.eager_calls > 0
+
+
+# -- the warm-up reads cache rows nothing wrote --------------------------------------------------
+
+
+@pytest.fixture
+def unwritten_cache_is_nan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paged cache is ``torch.empty``: make its allocatable rows NaN, so what a read of
+    never-written rows gives does not depend on the allocator's leftovers. The two padding
+    blocks are kept as transformers sets them (the read trash zeroed)."""
+    original = PagedAttentionCache.__init__
+
+    def init(cache: Any, *args: Any, **kwargs: Any) -> None:
+        original(cache, *args, **kwargs)
+        rows = cache.num_blocks * cache.block_size
+        for layer in (*cache.key_cache, *cache.value_cache):
+            layer[:rows].fill_(float("nan"))
+
+    monkeypatch.setattr(PagedAttentionCache, "__init__", init)
+
+
+def sample(model: Any) -> list[list[int]]:
+    """``generate_batch`` sampling (temperature, top-k), seeded; tokens in prompt order."""
+    _, cb = configs()
+    gen = transformers.GenerationConfig(
+        max_new_tokens=NEW_TOKENS, do_sample=True, temperature=0.7, top_k=20,
+        eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    out = model.generate_batch(prompts(), generation_config=gen, continuous_batching_config=cb)
+    return [list(out[rid].generated_tokens) for rid in sorted(out, key=_index)]
+
+
+@pytest.mark.usefixtures("unwritten_cache_is_nan")
+def test_sampling_warmup_captures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' warm-up batch (which bcg's engine runs, capturing the largest bucket) is a
+    made-up request said to have nearly the whole cache already written: its attention read
+    the cache's leftover bytes, NaN logits, and ``torch.multinomial`` failed the capture, so
+    that bucket ran eagerly for the engine's life. bcg zeroes the rows the warm-up reads: the
+    bucket is captured, later batches replay, nothing runs eagerly."""
+    model = make_model()
+    warmups = []
+    original = model_runner.ModelRunner.run_one_warmup
+
+    def run_one_warmup(runner: Any, *args: Any, **kwargs: Any) -> float:
+        duration = original(runner, *args, **kwargs)
+        warmups.append(duration)  # 0.0: transformers caught a failure (and logged it)
+        return duration  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(model_runner.ModelRunner, "run_one_warmup", run_one_warmup)
+    eager = sample(model)  # no warm-up (transformers warms up padded engines only)
+    assert not warmups
+    # Real batches read only rows they wrote: the eager engine samples on the NaN cache.
+    assert [len(tokens) for tokens in eager] == [NEW_TOKENS] * len(PROMPT_LENGTHS)
+    buckets = Buckets(monkeypatch)
+    with bcg_core.enable_continuous_batching(model) as handle:
+        sampled = sample(model)
+        stats = handle.stats()
+    assert len(warmups) == 1 and warmups[0] > 0
+    assert [len(tokens) for tokens in sampled] == [NEW_TOKENS] * len(PROMPT_LENGTHS)
+    assert all(0 <= t < model.config.vocab_size for tokens in sampled for t in tokens)
+    assert stats.eager_calls == 0
+    assert buckets.seen[0] == max(buckets.seen)  # the warm-up's bucket, captured at once
+    assert stats.graphs >= 2 and stats.replays > 0
+    assert stats.graphs + stats.replays + stats.first_batches == len(buckets.seen)
+
+
+@pytest.mark.usefixtures("unwritten_cache_is_nan")
+def test_greedy_tokens_equal_eager_on_an_unwritten_cache() -> None:
+    """Zeroing the warm-up's rows changes nothing a real batch reads: greedy tokens equal the
+    eager engine's, every batch graphed or replayed."""
+    model = make_model()
+    eager = generate(model)
+    with bcg_core.enable_continuous_batching(model) as handle:
+        assert generate(model) == eager
+        stats = handle.stats()
+    assert stats.eager_calls == 0 and stats.graphs >= 2 and stats.replays > 0

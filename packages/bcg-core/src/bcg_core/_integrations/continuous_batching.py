@@ -162,10 +162,12 @@ def enable_continuous_batching(
     arguments the eager engine would give it. On CUDA this replaces transformers' own CUDA
     graphs for the model (``use_cuda_graph`` is ignored); a model on the CPU captures with
     bcg's CPU graph backend. The engine's warm-up (on by default: the largest bucket) captures
-    at once; in serving, a bucket is captured once it recurs (``capture_after``), so a bucket
-    met once (the tail of a prefill, say) costs neither a capture nor pool memory. An engine
-    started inside :func:`bcg_core.disable_breakable_graphs` (``generate_batch`` there, or
-    ``manager.start()``) runs every batch eagerly, on its own thread too.
+    at once (bcg first zeroes the cache rows its made-up request reads, which nothing wrote, so
+    a sampling engine does not draw from NaN); in serving, a bucket is captured once it recurs
+    (``capture_after``), so a bucket met once (the tail of a prefill, say) costs neither a
+    capture nor pool memory. An engine started inside :func:`bcg_core.disable_breakable_graphs`
+    (``generate_batch`` there, or ``manager.start()``) runs every batch eagerly, on its own
+    thread too.
 
     Args:
         model: a transformers ``PreTrainedModel`` whose attention is ``sdpa`` or ``eager``
@@ -498,6 +500,8 @@ class _Session:
         stream = io.compute_stream
         try:
             with _on_stream(stream):
+                if self.warming_up:  # on the stream the step reads the cache on
+                    _zero_warmup_reads(io)
                 if bucket in self.captured or breakable_graphs_disabled():
                     # Disabled, the runner runs the batch eagerly (an eager call, not a first
                     # batch: it does not count towards the bucket's capture).
@@ -618,10 +622,7 @@ def _eager_arguments(io: Any, tokens: int) -> tuple[Any, list[Any], list[Any]]:
     tokens, read from the same static storage."""
     groups = range(io.cache.num_groups)
     write_index = [io.write_index_storage[g, : io.true_write_sizes[g]] for g in groups]
-    read_index = [
-        io.read_index_storage[g, : 0 if io.max_kv_read == 0 else io.true_read_sizes[g]]
-        for g in groups
-    ]
+    read_index = _read_index(io)
     if io.attention_mask is None:
         return None, read_index, write_index
     masks = {
@@ -629,6 +630,33 @@ def _eager_arguments(io: Any, tokens: int) -> tuple[Any, list[Any], list[Any]]:
     }
     mask: Any = next(iter(masks.values())) if len(masks) == 1 else masks
     return mask, read_index, write_index
+
+
+def _read_index(io: Any) -> list[Any]:
+    """The cache rows each layer group of the batch ``io`` holds reads (its true length)."""
+    return [
+        io.read_index_storage[g, : 0 if io.max_kv_read == 0 else io.true_read_sizes[g]]
+        for g in range(io.cache.num_groups)
+    ]
+
+
+def _zero_warmup_reads(io: Any) -> None:
+    """Zero the cache rows the engine's warm-up batch ``io`` reads, before it runs.
+
+    transformers' warm-up batch is one made-up request whose ``max_kv_read`` tokens (nearly the
+    whole cache) are said to be in the cache already, but nothing wrote them: the cache is
+    ``torch.empty``, and attention over its leftover bytes gives NaN/inf logits, on which a
+    sampling engine's ``torch.multinomial`` fails the capture (on CUDA: a device-side assert).
+    The rows belong to blocks just allocated to the made-up request (never a live request's,
+    nor a prefix-cached block: allocation takes uninitialised blocks), plus the zeroed read
+    trash; the batch's own new keys are written over their rows by the cache update. Zeros are
+    what transformers' padding tokens read (its read trash block).
+    """
+    cache = io.cache
+    for rows in _read_index(io):
+        if rows.numel():
+            for layer in (*cache.key_cache, *cache.value_cache):
+                layer.index_fill_(0, rows, 0)
 
 
 @functools.cache
