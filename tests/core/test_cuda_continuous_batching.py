@@ -23,8 +23,26 @@ from test_cpu_continuous_batching import (
     make_model,
     reference_varlen,
 )
+from test_cpu_continuous_batching_holes import (  # noqa: F401 (a fixture, used by name)
+    NEW_TOKENS,
+    sample,
+    unwritten_cache_is_nan,
+)
 
 pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.usefixtures("unwritten_cache_is_nan")
+def test_sampling_warmup_captures_on_a_cache_nothing_wrote() -> None:
+    # The engine's warm-up batch reads cache rows nothing wrote (torch.empty): on CUDA,
+    # torch.multinomial over the NaN logits they give is a device-side assert. bcg zeroes them.
+    model = make_model(device="cuda")
+    with bcg_core.enable_continuous_batching(model) as handle:
+        sampled = sample(model)
+        stats = handle.stats()
+    assert [len(tokens) for tokens in sampled] == [NEW_TOKENS] * len(sampled)
+    assert all(0 <= t < model.config.vocab_size for tokens in sampled for t in tokens)
+    assert stats.eager_calls == 0 and stats.graphs >= 1 and stats.replays > 0
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
