@@ -134,9 +134,12 @@ def _flat_spec(n_args: int, names: tuple[str, ...], tensors: tuple[bool, ...]) -
 
 def _const_kind(leaf: Any) -> str:
     """A constant's type name; ``-0.0`` is its own kind (it equals ``0.0`` and hashes alike,
-    but ``x / -0.0`` is not ``x / 0.0``)."""
+    but ``x / -0.0`` is not ``x / 0.0``), and so is a complex with a ``-0.0`` part
+    (``cmath.phase(complex(-1, -0.0))`` is ``-pi``, not ``pi``)."""
     if _trees.is_negative_zero(leaf):
         return "negative-zero float"
+    if type(leaf) is complex and True in (signs := _trees.zero_signs(leaf)):
+        return f"complex with negative zeros (real, imaginary): {signs}"
     return type(leaf).__name__
 
 
@@ -223,8 +226,9 @@ class FlatGuard:
             leaf = leaves[i]
             if type(leaf) is not cls or not (leaf is value or leaf == value):
                 return None
-            if cls is float and not value and _const_kind(leaf) != _const_kind(value):
-                return None  # 0.0 and -0.0
+            zero = cls is complex or (cls is float and not value)
+            if zero and _const_kind(leaf) != _const_kind(value):
+                return None  # 0.0 and -0.0, or a complex's parts
         live: list[torch.Tensor] = []
         for i, shape, dtype, device, order in self._tensors:
             t = leaves[i]

@@ -160,13 +160,43 @@ def _rebuild(obj: Any, kind: str, context: Any, children: list[Any]) -> Any:
     return new
 
 
+class _Keys(tuple):  # type: ignore[type-arg]
+    """The keys of a dict-like node (a context pytree gives as a list) when some key is not a
+    ``str``: equal only to keys of the same types, with zeros of the same sign. ``1``,
+    ``True`` and ``1.0`` (and ``0.0``, ``-0.0``) are equal keys that hash alike, so plain
+    tuples of them gave ``{1: x}`` and ``{True: x}`` one signature, while code reading the keys
+    tells them apart."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Keys) and tuple.__eq__(self, other) and _same_keys(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = tuple.__hash__
+
+
+def _same_keys(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether equal tuples of keys also agree in each key's type and zero signs."""
+    for x, y in zip(a, b, strict=True):
+        if type(x) is not type(y) or zero_signs(x) != zero_signs(y):
+            return False
+        if isinstance(x, tuple) and not _same_keys(x, y):
+            return False
+    return True
+
+
 def _context_key(context: Any) -> Hashable:
-    """A hashable, comparable form of a node's context (lists become tuples)."""
+    """A hashable, comparable form of a node's context (lists become tuples; dict keys that
+    are not all strings a :class:`_Keys`)."""
     try:
         hash(context)  # attribute and field names, None: the common cases, as they are
     except TypeError:
         if isinstance(context, (list, tuple)):
-            return tuple(_context_key(c) for c in context)
+            items = tuple(_context_key(c) for c in context)
+            return items if all(type(c) is str for c in items) else _Keys(items)
         return repr(context)
     key: Hashable = context
     return key
@@ -241,6 +271,16 @@ def same_value(got: Any, want: Any) -> bool:
     if got == want:
         return is_negative_zero(got) == is_negative_zero(want)
     return False
+
+
+def zero_signs(x: Any) -> tuple[bool, ...]:
+    """For a float: whether it is ``-0.0``; for a complex: whether each part is; else ``()``.
+    Equal values that hash alike, told apart by ``x / y``, ``cmath.phase`` or ``cmath.sqrt``."""
+    if isinstance(x, float):
+        return (is_negative_zero(float(x)),)
+    if isinstance(x, complex):
+        return (is_negative_zero(x.real), is_negative_zero(x.imag))
+    return ()
 
 
 def is_negative_zero(x: Any) -> bool:

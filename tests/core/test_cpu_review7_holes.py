@@ -1,0 +1,74 @@
+"""Holes in the runner's call signatures and structure walker, on the CPU backend: each was
+two calls that eager tells apart sharing one signature (a silently wrong replay) or a call that
+crashed the runner; each is now keyed apart, or walked as eager reads it."""
+
+from __future__ import annotations
+
+import cmath
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bcg_core import BreakableGraphRunner
+from bcg_core._signature import FlatGuard, signature_of  # noqa: PLC2701
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def _alternate(step: Callable[..., Any], calls: list[Callable[[], Call]]) -> BreakableGraphRunner:
+    """Capture every call, then alternate them (the last hit's guard meets each kind after
+    another) three times, each equal to eager."""
+    runner = BreakableGraphRunner(step, device="cpu", warmup_iters=0, max_entries=len(calls))
+    for make in calls:
+        args, kwargs = make()
+        runner.capture(*args, **kwargs)
+    for _ in range(3):
+        for make in calls:
+            args, kwargs = make()
+            want_args, want_kwargs = make()
+            got, want = runner(*args, **kwargs), step(*want_args, **want_kwargs)
+            assert torch.equal(got, want), (args, kwargs, got, want)
+    return runner
+
+
+def test_dict_keys_equal_but_of_another_type_or_zero_sign_are_other_signatures() -> None:
+    # 1, True and 1.0 (0.0 and -0.0) are equal dict keys that hash alike: the walk's context
+    # held them as a plain tuple, so {1: v} and {True: v} shared a signature and the graph
+    # captured for one was replayed for the other.
+    def step(x: torch.Tensor, d: dict[Any, float]) -> torch.Tensor:
+        for k, v in d.items():
+            x = x + v * (100 if type(k) is bool else 10 if type(k) is float else 1)
+            x = x * math.copysign(1.0, k[-1] if isinstance(k, tuple) else k)
+        return x
+
+    x = torch.arange(6.0)
+    keys: list[Any] = [1, True, 1.0, 0.0, -0.0, (1, 0.0), (True, 0.0), (1, -0.0)]
+    runner = _alternate(step, [lambda k=k: ((x, {k: 1.0}), {}) for k in keys])
+    assert runner.stats.captures == len(keys) and runner.stats.hits == 3 * len(keys)
+    # Equal keys of one type are still one signature.
+    assert signature_of((x, {1: 2, "a": x}), {}) == signature_of((x, {1: 2, "a": x}), {})
+    assert signature_of((x, {-0.0: 1}), {}) == signature_of((x, {-0.0: 1}), {})
+
+
+def test_a_complex_with_a_negative_zero_part_is_another_signature() -> None:
+    # complex(-1, -0.0) == complex(-1, 0.0) and hashes alike, but its phase is -pi, not pi
+    # (and cmath.sqrt takes the other branch): keyed as one constant, the first call's graph
+    # was replayed for the other, through the walk and through the last hit's guard.
+    def step(x: torch.Tensor, c: complex) -> torch.Tensor:
+        return x * cmath.phase(c)
+
+    x = torch.ones(3)
+    zs = [complex(-1, 0.0), complex(-1, -0.0), complex(0.0, 0.0), complex(-0.0, 0.0)]
+    runner = _alternate(step, [lambda c=c: ((x, c), {}) for c in zs])
+    assert runner.stats.captures == len(zs) and runner.stats.hits == 3 * len(zs)
+    runner = _alternate(
+        lambda x, t: x * cmath.phase(t[0]), [lambda c=c: ((x, (c,)), {}) for c in zs]
+    )
+    assert runner.stats.captures == len(zs)
+    for a in zs:
+        guard = FlatGuard.of((x, a), {})
+        assert guard is not None
+        for b in zs:
+            assert (guard.match((x, b), {}) is not None) == (repr(a) == repr(b))
