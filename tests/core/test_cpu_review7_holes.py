@@ -5,6 +5,7 @@ crashed the runner; each is now keyed apart, or walked as eager reads it."""
 from __future__ import annotations
 
 import cmath
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -72,3 +73,46 @@ def test_a_complex_with_a_negative_zero_part_is_another_signature() -> None:
         assert guard is not None
         for b in zs:
             assert (guard.match((x, b), {}) is not None) == (repr(a) == repr(b))
+
+
+@dataclasses.dataclass
+class _Meta:
+    n: int
+    cached: int = dataclasses.field(init=False)  # set only by some code paths
+
+
+def test_a_dataclass_is_walked_by_its_set_fields_and_its_other_attributes() -> None:
+    # A field declared init=False and never set made the walk raise AttributeError out of the
+    # runner's call (eager runs fine); an attribute that is no field (set in __post_init__ or
+    # later) was left out of the signature, so a call whose only difference was there replayed
+    # the capture's value, for the capture's object changed in place as for another object.
+    def step(x: torch.Tensor, m: _Meta) -> torch.Tensor:
+        return x * m.n * getattr(m, "scale", 1.0) + getattr(m, "cached", 0)
+
+    def meta(scale: float | None = None, cached: int | None = None) -> _Meta:
+        m = _Meta(2)
+        if scale is not None:
+            m.scale = scale  # type: ignore[attr-defined]
+        if cached is not None:
+            m.cached = cached
+        return m
+
+    x = torch.arange(3.0)
+    runner = _alternate(
+        step,
+        [
+            lambda: ((x, meta()), {}),
+            lambda: ((x, meta(scale=3.0)), {}),
+            lambda: ((x, meta(scale=5.0)), {}),
+            lambda: ((x, meta(cached=7)), {}),
+            lambda: ((x, meta(scale=3.0, cached=7)), {}),
+        ],
+    )
+    assert runner.stats.captures == 5 and runner.stats.hits == 15
+    # The capture's own object changed in place is not its capture any more.
+    runner = BreakableGraphRunner(step, device="cpu", warmup_iters=0)
+    m = meta(scale=3.0)
+    runner.capture(x, m)
+    m.scale = 4.0  # type: ignore[attr-defined]
+    assert torch.equal(runner(x, m), x * 8.0)
+    assert runner.stats.hits == 0

@@ -10,9 +10,10 @@ What is a node (its children are walked), in this order:
 2. Any type registered with ``torch.utils._pytree`` (lists, tuples, named tuples, dicts,
    ``OrderedDict``, ``defaultdict``, ``deque``, and what libraries register, such as
    transformers' ``ModelOutput``): flattened and rebuilt by its registered functions.
-3. A dataclass instance of an unregistered type: its fields, in declaration order (what
-   ``pytree.register_dataclass`` would give, without registering user types process-wide,
-   which would change how ``torch.export`` and ``torch.compile`` treat them).
+3. A dataclass instance of an unregistered type: its fields that hold a value, in
+   declaration order (what ``pytree.register_dataclass`` would give, without registering user
+   types process-wide, which would change how ``torch.export`` and ``torch.compile`` treat
+   them), then its instance attributes that are no field, as a plain object's.
 4. A plain object (it has a ``__dict__`` or ``__slots__`` and is not a module, class,
    function, method, ``nn.Module``, enum or :class:`Opaque`): its instance attributes — the
    ``__dict__`` in insertion order, then the slots that hold a value, in declaration order
@@ -142,11 +143,22 @@ def _children(obj: Any, kind: str) -> tuple[list[Any], Any]:
         children, context = pytree.SUPPORTED_NODES[node_type].flatten_fn(obj)
         return list(children), context
     if kind == _DATACLASS:
-        names = tuple(f.name for f in dataclasses.fields(obj))
-        # the stored values, past any __getattribute__ of the class (as _attributes reads
-        # __dict__): transformers' per-layer configs (Gemma 4) refuse a plain read of some fields
-        return [object.__getattribute__(obj, n) for n in names], names
-    attrs = _attributes(obj)
+        # The fields' stored values, past any __getattribute__ of the class (as _attributes
+        # reads __dict__): transformers' per-layer configs (Gemma 4) refuse a plain read of
+        # some fields. A field never set (init=False, no default) is skipped, as an empty slot
+        # is (reading it raised out of the runner's call); then the instance attributes that
+        # are no field (set in __post_init__ or later), which code reads as it reads fields
+        # (left out, two calls differing only there shared a signature).
+        attrs = {}
+        for f in dataclasses.fields(obj):
+            try:
+                attrs[f.name] = object.__getattribute__(obj, f.name)
+            except AttributeError:
+                continue
+        for name, value in _attributes(obj).items():
+            attrs.setdefault(name, value)
+    else:
+        attrs = _attributes(obj)
     return list(attrs.values()), tuple(attrs)
 
 
