@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import cmath
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -116,3 +117,56 @@ def test_a_dataclass_is_walked_by_its_set_fields_and_its_other_attributes() -> N
     m.scale = 4.0  # type: ignore[attr-defined]
     assert torch.equal(runner(x, m), x * 8.0)
     assert runner.stats.hits == 0
+
+
+class _List(list[Any]):
+    pass
+
+
+class _Dict(dict[str, Any]):
+    pass
+
+
+class _Int(int):
+    pass
+
+
+class _Str(str):
+    pass
+
+
+def test_builtin_subclasses_and_partials_are_not_empty_objects() -> None:
+    # A subclass of list, dict, int, str... (with a __dict__, not registered with pytree) and a
+    # functools.partial keep their state in their built-in base: walked as plain objects they
+    # had no attributes, so any two were one signature and the capture's graph (its values
+    # baked in, or the capture's list read by a break) was replayed for every other one.
+    x = torch.arange(3.0)
+    cases: list[tuple[Callable[..., Any], list[Callable[[], Call]]]] = [
+        (lambda x, v: x * v[0], [lambda: ((x, _List([2])), {}), lambda: ((x, _List([3])), {})]),
+        (
+            lambda x, v: x * v[0],
+            [lambda: ((x, _List([torch.tensor(2.0)])), {}), lambda: ((x, _List([x])), {})],
+        ),
+        (lambda x, v: x * v["k"], [lambda: ((x, _Dict(k=2)), {}), lambda: ((x, _Dict(k=3)), {})]),
+        (lambda x, v: x * v, [lambda: ((x, _Int(2)), {}), lambda: ((x, _Int(3)), {})]),
+        (lambda x, v: x * len(v), [lambda: ((x, _Str("a")), {}), lambda: ((x, _Str("ab")), {})]),
+        (
+            lambda x, g: g(x),
+            [
+                lambda: ((x, functools.partial(torch.mul, other=2.0)), {}),
+                lambda: ((x, functools.partial(torch.add, other=2.0)), {}),
+            ],
+        ),
+    ]
+    for step, calls in cases:
+        runner = BreakableGraphRunner(step, device="cpu", warmup_iters=0)
+        args, kwargs = calls[0]()
+        runner.capture(*args, **kwargs)
+        for _ in range(2):
+            for make in calls:
+                args, kwargs = make()
+                assert torch.equal(runner(*args, **kwargs), step(*make()[0]))
+    # A number or string subclass is a constant by value: equal ones replay one graph.
+    runner = _alternate(lambda x, v: x * v, [lambda: ((x, _Int(2)), {}), lambda: ((x, 2), {})])
+    assert runner.stats.captures == 2 and runner.stats.hits == 6
+    assert signature_of((x, _Int(2)), {}) == signature_of((x, _Int(2)), {})

@@ -15,7 +15,9 @@ What is a node (its children are walked), in this order:
    types process-wide, which would change how ``torch.export`` and ``torch.compile`` treat
    them), then its instance attributes that are no field, as a plain object's.
 4. A plain object (it has a ``__dict__`` or ``__slots__`` and is not a module, class,
-   function, method, ``nn.Module``, enum or :class:`Opaque`): its instance attributes — the
+   function, method, ``nn.Module``, enum, :class:`Opaque`, nor a subclass of a built-in
+   container, number or string, nor a ``functools.partial``, whose state is not in its
+   attributes): its instance attributes — the
    ``__dict__`` in insertion order, then the slots that hold a value, in declaration order
    (base classes first). The *one rule* for objects: a slotted object is walked like one with
    a ``__dict__``, so a rebound attribute or a changed number inside it is seen. Rebuilt as
@@ -32,6 +34,7 @@ never by position.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import enum
@@ -63,6 +66,24 @@ _OPAQUE = (
     types.MethodType,
     types.ModuleType,
     enum.Enum,
+    # Objects whose state lives in a built-in base, not in their __dict__ or slots: subclasses
+    # of containers, numbers and strings that pytree does not register, and partials. Walked
+    # by their attributes they had none, so any two (L([2]) and L([3]), partial(f, 2) and
+    # partial(g, 3)) were one signature; as leaves a number or string is a constant by value,
+    # anything else is keyed by identity.
+    list,
+    tuple,
+    dict,
+    set,
+    frozenset,
+    bytearray,
+    collections.deque,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    functools.partial,
 )
 
 
