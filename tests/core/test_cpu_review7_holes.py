@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from bcg_core import BreakableGraphRunner
@@ -170,3 +171,23 @@ def test_builtin_subclasses_and_partials_are_not_empty_objects() -> None:
     runner = _alternate(lambda x, v: x * v, [lambda: ((x, _Int(2)), {}), lambda: ((x, 2), {})])
     assert runner.stats.captures == 2 and runner.stats.hits == 6
     assert signature_of((x, _Int(2)), {}) == signature_of((x, _Int(2)), {})
+
+
+class _Float(float):
+    pass
+
+
+def test_a_negative_zero_of_a_float_or_complex_subclass_is_another_signature() -> None:
+    # numpy's float64 and complex128 (float and complex subclasses, constants of the
+    # signature by value) kept -0.0 and 0.0 as one key: x / np.float64(-0.0) replayed +inf.
+    x = torch.ones(3)
+    for zero, neg in [
+        (np.float64(0.0), np.float64(-0.0)),
+        (_Float(0.0), _Float(-0.0)),
+        (np.complex128(complex(-1, 0.0)), np.complex128(complex(-1, -0.0))),
+    ]:
+        runner = _alternate(
+            lambda x, v: x * cmath.phase(complex(v)) if isinstance(v, complex) else x / float(v),
+            [lambda v=zero: ((x, v), {}), lambda v=neg: ((x, v), {})],
+        )
+        assert runner.stats.captures == 2 and runner.stats.hits == 6

@@ -270,7 +270,11 @@ def walked_signature(
         elif isinstance(leaf, ScalarInput):
             keys.append(("scalar", leaf.kind.__name__))
         elif isinstance(leaf, _CONSTANTS):
-            keys.append(("const", _const_kind(leaf), leaf))
+            kind = _const_kind(leaf)
+            if type(leaf) not in _trees.SCALARS and True in (signs := _trees.zero_signs(leaf)):
+                # a float or complex subclass (numpy's float64, complex128): its -0.0 as well
+                kind = f"{kind} with negative zeros {signs}"
+            keys.append(("const", kind, leaf))
         else:
             keys.append(("object", _object_kind(leaf), id(leaf)))
     return (spec, tuple(keys)), live

@@ -312,7 +312,7 @@ def zero_signs(x: Any) -> tuple[bool, ...]:
     if isinstance(x, float):
         return (is_negative_zero(float(x)),)
     if isinstance(x, complex):
-        return (is_negative_zero(x.real), is_negative_zero(x.imag))
+        return (is_negative_zero(float(x.real)), is_negative_zero(float(x.imag)))
     return ()
 
 
