@@ -41,21 +41,31 @@ class ReplayTokenScope(contextlib.ContextDecorator):
     :class:`DiTRunner` enters one right before every replay's first launch, and making and
     entering it costs one Python frame where a generator-based one costs several. Each
     instance is entered once; as a decorator (like the generator-based scope it replaced) it
-    makes a fresh one per call."""
+    makes a fresh one per call. Entering an instance that is entered already (nested, or in
+    another thread) raises: its second reset token overwrote the first, so the outer exit
+    raised contextvars' raw "Token has already been used once" and left its token set after
+    the block (eager code outside any replay then trusted a replay's cache)."""
 
-    _reset: Token[int | None]
+    _reset: Token[int | None] | None = None
 
     def _recreate_cm(self) -> ReplayTokenScope:
         return type(self)()
 
     def __enter__(self) -> int:
         with _counter_lock:
+            if self._reset is not None:
+                raise RuntimeError(
+                    "this replay_token_scope() is entered already (nested, or in another "
+                    "thread); enter a fresh replay_token_scope() for each block"
+                )
             token = next(_counter)
-        self._reset = _TOKEN.set(token)
+            self._reset = _TOKEN.set(token)
         return token
 
     def __exit__(self, *exc_info: object) -> None:
-        _TOKEN.reset(self._reset)
+        reset, self._reset = self._reset, None
+        if reset is not None:
+            _TOKEN.reset(reset)
 
 
 def replay_token_scope() -> AbstractContextManager[int]:
