@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -237,6 +238,29 @@ class DiTRunner(BreakableGraphRunner):
             then,
         )
 
+    @contextlib.contextmanager
+    def warmup(self) -> Iterator[BreakableGraphRunner]:
+        """As :meth:`bcg_core.BreakableGraphRunner.warmup` (``capture`` and ``capture_many``
+        open one too), refused for a model with diffusers' stateful hooks.
+
+        Raises:
+            ValueError: the model (or a submodule) carries a stateful diffusers hook, such as
+                the caches ``enable_cache`` installs; no window is opened.
+        """
+        # Those hooks decide on the host at every step whether to recompute or reuse (PAB,
+        # TaylorSeer, FasterCache...): a graph would replay the capture's decision at every step.
+        hooks = _stateful_hooks(self.module)
+        if hooks:
+            raise ValueError(
+                f"bcg: {type(self.module).__name__} carries diffusers' stateful hooks "
+                f"{sorted(hooks)} (a cache from enable_cache() or apply_*): they decide at "
+                "every step on the host, and a graph would replay the capture's decision. "
+                "Call model.disable_cache() (or remove the hooks) before capturing, or run the "
+                "model without DiTRunner"
+            )
+        with super().warmup() as runner:
+            yield runner
+
     def close(self) -> None:
         """Drop all graphs and release this runner's attention patches (idempotent).
 
@@ -290,6 +314,29 @@ def _same_leaf(a: Any, b: Any) -> bool:
 
 # Wrapper layers looked through for return_dict (a guard against self-referencing wrappers).
 _MAX_UNWRAP = 32
+
+
+def _stateful_hooks(model: Callable[..., Any]) -> set[str]:
+    """Names of the stateful diffusers hooks (``ModelHook._is_stateful``: the caches) on the
+    model's modules; the model is looked through wrappers as for ``return_dict`` (a bound
+    method's module too). A closure over a model is not looked into."""
+    target: Any = model
+    for _ in range(_MAX_UNWRAP):
+        if isinstance(target, torch.nn.Module):
+            break
+        inner = getattr(target, "__self__", None) or getattr(target, "__wrapped__", None)
+        if inner is None or inner is target:
+            return set()
+        target = inner
+    if not isinstance(target, torch.nn.Module):
+        return set()
+    found: set[str] = set()
+    for sub in target.modules():
+        registry = getattr(sub, "_diffusers_hook", None)
+        for name, hook in getattr(registry, "hooks", {}).items():
+            if getattr(hook, "_is_stateful", False):
+                found.add(name)
+    return found
 
 
 def _return_dict_default(model: Callable[..., Any]) -> Any:
