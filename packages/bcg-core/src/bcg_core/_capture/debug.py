@@ -42,6 +42,8 @@ def debug_level(option: bool | str | None = None) -> DebugLevel:
     """
     if isinstance(option, bool):
         return DebugLevel.WARN if option else DebugLevel.OFF
+    if option is not None and not isinstance(option, str):  # 1, 0.0 ...: not .strip()-able
+        raise ValueError(f"debug must be a bool, 'warn' or 'strict' (or None), got {option!r}")
     source = "debug" if option is not None else "BCG_DEBUG"
     value = option.strip().lower() if option is not None else env_word("BCG_DEBUG")
     if value == "strict":
