@@ -138,7 +138,7 @@ class BreakableCUDAGraph:
 
     Raises:
         ValueError: ``backend`` is neither ``"cuda"`` nor ``"cpu"``.
-        TypeError: ``profile`` is not a bool or None.
+        TypeError: ``profile`` is not a bool or None, or ``pool`` is no pool handle.
     """
 
     def __init__(
@@ -173,6 +173,9 @@ class BreakableCUDAGraph:
         Returns:
             The handle passed at construction, or the graph's own pool. Pass it as ``pool`` to
             another graph or capture to share the memory (then replay them one at a time).
+
+        Raises:
+            CaptureError: the backend cannot capture here (``backend="cuda"`` without CUDA).
         """
         with self._lock:
             if self._pool is None:
@@ -186,6 +189,9 @@ class BreakableCUDAGraph:
             What the allocator reserved for the pool in the captures and warm-ups into it
             (shared with every graph that uses it; more when another thread reserved memory
             meanwhile), or None where the backend cannot tell (CPU, a bare pool id).
+
+        Raises:
+            CaptureError: the backend cannot capture here (``backend="cuda"`` without CUDA).
         """
         return self._backend.pool_bytes(self.pool())
 
