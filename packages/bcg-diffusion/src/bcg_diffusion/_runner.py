@@ -240,8 +240,12 @@ class DiTRunner(BreakableGraphRunner):
 
     @contextlib.contextmanager
     def warmup(self) -> Iterator[BreakableGraphRunner]:
-        """As :meth:`bcg_core.BreakableGraphRunner.warmup` (``capture`` and ``capture_many``
-        open one too), refused for a model with diffusers' stateful hooks.
+        """As :meth:`bcg_core.BreakableGraphRunner.warmup`, refused for stateful hooks.
+
+        ``capture`` and ``capture_many`` open one too, so they are refused alike.
+
+        Yields:
+            This runner.
 
         Raises:
             ValueError: the model (or a submodule) carries a stateful diffusers hook, such as
