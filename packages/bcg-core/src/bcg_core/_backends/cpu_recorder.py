@@ -21,17 +21,18 @@ frozen right after the op ran, so a later metadata mutation cannot change what a
 reads or writes, and a static input whose storage is replaced is not followed (as with CUDA
 graphs, which keep reading the captured address).
 
-Host synchronisations raise :class:`HostSyncError` at the offending call: ops that read a value
-on the host (``aten._local_scalar_dense``, which ``.item()``, ``bool()``, ``int()`` and
-``float()`` end in; ``aten.equal``), ops whose output shape depends on values (``nonzero``,
-``masked_select``, ``unique``, boolean-mask indexing ...), and three Python-level reads that
+Host synchronisations raise :class:`HostSyncError` at the offending call: ops that read a value on
+the host (``aten._local_scalar_dense``, which ``.item()``, ``bool()``, ``int()`` and ``float()``
+end in; ``aten.equal``), ops whose output shape depends on values (``nonzero``, ``masked_select``,
+``unique``, boolean-mask indexing ...), linear algebra error checks (CUDA reads the info tensor of
+``linalg.inv``, ``solve``, ``cholesky`` ... on the host), and three Python-level reads that
 dispatch nothing on CPU tensors: ``Tensor.tolist``, ``Tensor.numpy`` and ``Tensor.__repr__``
-(printing). The latter are caught by wrappers installed on ``torch.Tensor`` while any CPU
-segment is being captured (refcounted, always removed); they act only in the context that is
-capturing. So is ``torch.cuda.is_current_stream_capturing``, which answers True in that context,
-as it does inside a CUDA capture: code that takes another path under a capture (transformers'
-``is_tracing()`` skips GPT-2's padding check, a host read, and mask shortcuts) takes the
-capture's path on the CPU backend too.
+(printing). The latter are caught by wrappers installed on ``torch.Tensor`` while any CPU segment
+is being captured (refcounted, always removed); they act only in the context that is capturing. So
+is ``torch.cuda.is_current_stream_capturing``, which answers True in that context, as it does
+inside a CUDA capture: code that takes another path under a capture (transformers'
+``is_tracing()`` skips GPT-2's padding check, a host read, and mask shortcuts) takes the capture's
+path on the CPU backend too.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ _DYNAMIC_SHAPES = _packets(
     "bincount",
 )
 _MASK_INDEXING = _packets("index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index")
+# CUDA's linalg error check reads the info tensor on the host (infos.any().item()); the CPU kernel
+# reads it too, but below the dispatcher, so only the op (and the _ex ops' check_errors) shows it.
+_LINALG_CHECKS = _packets("_linalg_check_errors")
 
 _READS_VALUE = (
     "reads a tensor value on the host (.item(), bool(tensor), int(tensor), float(tensor), "
@@ -92,6 +96,12 @@ _DYNAMIC_SHAPE = (
     "which the host must wait for"
 )
 _MASK = "indexes with a boolean mask (x[mask], x[mask] = v), which needs nonzero(mask) on the host"
+_LINALG = (
+    "checks a linear algebra result for errors by reading its info tensor on the host "
+    "(torch.linalg.inv, solve, cholesky, lu_factor ... and the _ex variants with "
+    "check_errors=True); call the _ex variant (torch.linalg.inv_ex ...) without check_errors "
+    "and check its info tensor after the replay"
+)
 _PYTHON_READS = {
     "tolist": "copies the tensor's values to the host",
     "numpy": "hands the tensor's values to NumPy on the host",
@@ -109,6 +119,8 @@ def host_sync_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
             for i in indices or ()
         )
         return _MASK if any(masks) else None
+    if packet in _LINALG_CHECKS or kwargs.get("check_errors") is True:
+        return _LINALG
     tags = func.tags
     if packet is _ATEN.repeat_interleave:
         dynamic = torch.Tag.dynamic_output_shape in tags and kwargs.get("output_size") is None
