@@ -55,3 +55,17 @@ def test_the_unchecked_ex_variants_capture_and_replay() -> None:
     assert int(info) == 0
     graph, (low, _) = _capture(lambda: torch.linalg.cholesky_ex(a))
     torch.testing.assert_close(low, torch.linalg.cholesky(a))
+
+
+def test_histc_without_a_range_is_a_host_sync() -> None:
+    # CUDA's histc with min == max (the default) reads the tensor's min and max on the host.
+    x = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    with pytest.raises(HostSyncError, match="histc") as info:
+        _capture(lambda: torch.histc(x * 1, bins=4))
+    assert "min < max" in str(info.value)
+    with pytest.raises(HostSyncError, match="histc"):
+        _capture(lambda: torch.histc(x * 1, 4, 1, 1))
+    graph, out = _capture(lambda: torch.histc(x * 1, bins=4, min=0, max=4))
+    x.fill_(0.5)
+    graph.replay()
+    assert out.tolist() == [4.0, 0.0, 0.0, 0.0]

@@ -25,14 +25,14 @@ Host synchronisations raise :class:`HostSyncError` at the offending call: ops th
 the host (``aten._local_scalar_dense``, which ``.item()``, ``bool()``, ``int()`` and ``float()``
 end in; ``aten.equal``), ops whose output shape depends on values (``nonzero``, ``masked_select``,
 ``unique``, boolean-mask indexing ...), linear algebra error checks (CUDA reads the info tensor of
-``linalg.inv``, ``solve``, ``cholesky`` ... on the host), and three Python-level reads that
-dispatch nothing on CPU tensors: ``Tensor.tolist``, ``Tensor.numpy`` and ``Tensor.__repr__``
-(printing). The latter are caught by wrappers installed on ``torch.Tensor`` while any CPU segment
-is being captured (refcounted, always removed); they act only in the context that is capturing. So
-is ``torch.cuda.is_current_stream_capturing``, which answers True in that context, as it does
-inside a CUDA capture: code that takes another path under a capture (transformers'
-``is_tracing()`` skips GPT-2's padding check, a host read, and mask shortcuts) takes the capture's
-path on the CPU backend too.
+``linalg.inv``, ``solve``, ``cholesky`` ... on the host), ``histc`` without a range, and three
+Python-level reads that dispatch nothing on CPU tensors: ``Tensor.tolist``, ``Tensor.numpy`` and
+``Tensor.__repr__`` (printing). The latter are caught by wrappers installed on ``torch.Tensor``
+while any CPU segment is being captured (refcounted, always removed); they act only in the context
+that is capturing. So is ``torch.cuda.is_current_stream_capturing``, which answers True in that
+context, as it does inside a CUDA capture: code that takes another path under a capture
+(transformers' ``is_tracing()`` skips GPT-2's padding check, a host read, and mask shortcuts)
+takes the capture's path on the CPU backend too.
 """
 
 from __future__ import annotations
@@ -102,6 +102,10 @@ _LINALG = (
     "check_errors=True); call the _ex variant (torch.linalg.inv_ex ...) without check_errors "
     "and check its info tensor after the replay"
 )
+_HISTC = (
+    "computes its range from the tensor's min and max on the host (torch.histc without "
+    "min < max); pass the range: torch.histc(x, bins, min=..., max=...)"
+)
 _PYTHON_READS = {
     "tolist": "copies the tensor's values to the host",
     "numpy": "hands the tensor's values to NumPy on the host",
@@ -121,6 +125,11 @@ def host_sync_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         return _MASK if any(masks) else None
     if packet in _LINALG_CHECKS or kwargs.get("check_errors") is True:
         return _LINALG
+    if packet is _ATEN.histc:
+        # CUDA's histc takes the range from self.min() and self.max() on the host when min == max.
+        low = args[2] if len(args) > 2 else kwargs.get("min", 0)
+        high = args[3] if len(args) > 3 else kwargs.get("max", 0)
+        return _HISTC if low == high and args[0].numel() else None
     tags = func.tags
     if packet is _ATEN.repeat_interleave:
         dynamic = torch.Tag.dynamic_output_shape in tags and kwargs.get("output_size") is None
