@@ -143,9 +143,10 @@ class BreakableGraphRunner:
             ``"relaxed"``.
 
     Raises:
-        TypeError: ``module`` is not callable, ``pool`` is a graph or a runner instead of a
-            pool, or ``as_tensor`` is a single name or holds something other than ints and
-            strings.
+        TypeError: ``module`` is not callable, ``max_entries``, ``max_segments`` or
+            ``warmup_iters`` is not an int, ``return_views`` not a bool, ``replay_context``
+            not callable, ``pool`` is a graph or a runner instead of a pool, or ``as_tensor``
+            is a single name or holds something other than ints and strings.
         ValueError: ``max_entries``, ``max_segments`` or ``warmup_iters`` is out of range, or an
             ``as_tensor`` position is negative.
     """
@@ -166,6 +167,23 @@ class BreakableGraphRunner:
     ) -> None:
         if not callable(module):
             raise TypeError(f"BreakableGraphRunner wraps a callable, got {module!r}")
+        # Counts are ints (1.5 and True were taken; "2" failed a comparison with a raw error).
+        for what, count in (
+            ("max_entries", max_entries),
+            ("max_segments", max_segments),
+            ("warmup_iters", warmup_iters),
+        ):
+            if (count is not None or what != "max_segments") and (
+                isinstance(count, bool) or not isinstance(count, int)
+            ):
+                raise TypeError(f"{what} must be an int, got {count!r}")
+        if not isinstance(return_views, bool):
+            raise TypeError(f"return_views must be a bool, got {return_views!r}")
+        if replay_context is not None and not callable(replay_context):
+            raise TypeError(
+                "replay_context takes a zero-argument callable returning a context manager, "
+                f"got {replay_context!r}"
+            )
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         if max_segments is not None and max_segments < 1:
