@@ -94,9 +94,11 @@ def test_a_module_with_a_real_forward_is_patched_in_forward(cls: type) -> None:
     assert not _adapted(cls, "forward")
 
 
-def test_an_ip_adapter_processor_is_a_break_and_a_new_scale_replays() -> None:
-    """The processor's __call__ is the break, so a processor attribute changed after capture
-    (what ``pipe.set_ip_adapter_scale`` writes) is read at every replay."""
+def ip_adapter_step() -> tuple[
+    Any, nn.Module, Callable[[torch.Tensor], torch.Tensor], torch.Tensor
+]:
+    """An IP-Adapter processor (scale 1.0), the attention using it, a step around that, an
+    input."""
     proc = attention_processor.IPAdapterAttnProcessor2_0(
         hidden_size=32, cross_attention_dim=32, num_tokens=(4,), scale=1.0
     )
@@ -109,7 +111,13 @@ def test_an_ip_adapter_processor_is_a_break_and_a_new_scale_replays() -> None:
         out: torch.Tensor = attn(x, encoder_hidden_states=(text, ip)) * 2 + 1
         return out
 
-    x = torch.randn(1, 16, 32)
+    return proc, attn, step, torch.randn(1, 16, 32)
+
+
+def test_an_ip_adapter_processor_is_a_break_and_a_new_scale_replays() -> None:
+    """The processor's __call__ is the break, so a processor attribute changed after capture
+    (what ``pipe.set_ip_adapter_scale`` writes) is read at every replay."""
+    proc, _, step, x = ip_adapter_step()
     runner = DiTRunner(
         step, attention_classes=(attention_processor.IPAdapterAttnProcessor2_0,), device="cpu"
     )

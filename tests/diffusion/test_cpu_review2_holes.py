@@ -133,20 +133,9 @@ def test_an_ip_adapter_scale_set_after_capture_replays_with_attention_ops_breaka
     ``install_breakable_attention`` makes it."""
     pytest.importorskip("diffusers")
     from diffusers.models import attention_processor as ap
+    from test_cpu_diffusion_holes import ip_adapter_step
 
-    proc = ap.IPAdapterAttnProcessor2_0(
-        hidden_size=32, cross_attention_dim=32, num_tokens=(4,), scale=1.0
-    )
-    attn = ap.Attention(
-        query_dim=32, heads=2, dim_head=16, cross_attention_dim=32, processor=proc
-    ).eval()
-    text, ip = torch.randn(1, 8, 32), [torch.randn(1, 1, 4, 32)]
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = attn(x, encoder_hidden_states=(text, ip)) * 2 + 1
-        return out
-
-    x = torch.randn(1, 16, 32)
+    proc, attn, step, x = ip_adapter_step()
     before = dict(vars(ap.IPAdapterAttnProcessor2_0))
     runner = DiTRunner(step, breakable_attention=make_attention_ops_breakable(attn), device="cpu")
     got: list[tuple[float, torch.Tensor]] = []

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import warnings
 
+from bcg_core._once import first_time
+
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS = frozenset({"", "0", "false", "no", "off"})
 
@@ -52,15 +54,11 @@ class EnvFlag:
         return False
 
 
-_warned: set[tuple[str, str]] = set()
-
-
 def _warn_unknown(name: str, word: str) -> None:
     """Say once per value that a boolean variable holds a word bcg does not read (it counts as
     off): ``BCG_DISABLE=2`` silently left breakable graphs on."""
-    if (name, word) in _warned:
+    if not first_time(("env", name, word)):
         return
-    _warned.add((name, word))
     warnings.warn(
         f"bcg: {name}={word!r} is not a value bcg reads, so it counts as off; set {name}=1 "
         "(or true, yes, on) to turn it on, or 0 (false, no, off, or unset it) for off",

@@ -176,16 +176,13 @@ class CaptureState:
         self._check_thread(f"break {name!r}")
         self.end_segment()
         try:
-            output = self._run_break(fn, stub, strict, name, args, kwargs)
-        except BaseException:
-            # The caller may catch the error (the break's own, the barrier's, or bcg's refusal
-            # of what the break did) and go on (a fallback path): what it runs is captured in a
-            # new segment, as after a break that returned. (Left without a segment, its ops
-            # were not recorded and the capture's exit failed an internal assertion.)
+            return self._run_break(fn, stub, strict, name, args, kwargs)
+        finally:
+            # Also after an error (the break's own, the barrier's, or bcg's refusal of what the
+            # break did): a caller that catches it and goes on (a fallback path) is captured in
+            # a new segment. (Left without a segment, its ops were not recorded and the
+            # capture's exit failed an internal assertion.)
             self.begin_segment()
-            raise
-        self.begin_segment()
-        return output
 
     def _run_break(
         self,

@@ -48,6 +48,7 @@ import torch.utils._pytree as pytree  # noqa: PLC2701
 from bcg_core import _trees
 from bcg_core._capture import owned
 from bcg_core._errors import BreakOutputError
+from bcg_core._once import first_time
 from bcg_core._trees import PLAIN_VALUES, same_value
 
 # Leaf types an opaque call may take besides tensors (what dynamo can put in a graph as a
@@ -330,21 +331,10 @@ def _call(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
 _eager = torch._disable_dynamo(_call)  # type: ignore[attr-defined]
 
 
-_warned: set[Any] = set()
-
-
-def _first_time(key: Any) -> bool:
-    """Whether ``key`` (a kind of notice and a break's name) is seen for the first time."""
-    with _lock:
-        first = key not in _warned
-        _warned.add(key)
-    return first
-
-
 def _refusal(name: str, message: str, kind: type[Exception]) -> Exception:
     """An error raised where dynamo runs a call on fake tensors, logged once per break and
     kind: dynamo reports its own error (with this one as the cause) or graph-breaks."""
-    if _first_time((kind, name)):
+    if first_time((kind, name)):
         logger.warning(message)
     return kind(message)
 
@@ -480,7 +470,7 @@ def _made_by_call(box: list[Any]) -> Callable[[torch.Tensor], bool]:
 
 
 def _warn_alias(name: str) -> None:
-    if _first_time(("alias", name)):
+    if first_time(("alias", name)):
         warnings.warn(
             f"bcg: break {name!r} returned a tensor that shares memory with one of its "
             "arguments; under torch.compile a break is an op, whose outputs may alias nothing, "
@@ -494,7 +484,7 @@ def _warn_alias(name: str) -> None:
 def _warn_twin(name: str) -> None:
     # Eager code after the break sees one memory for both (a write through one shows in the
     # other); compiled code got separate copies silently before.
-    if _first_time(("twin", name)):
+    if first_time(("twin", name)):
         warnings.warn(
             f"bcg: break {name!r} returned tensors that share memory (one tensor twice, or "
             "views of one tensor); under torch.compile a break is an op, whose outputs may "

@@ -287,12 +287,11 @@ class BreakableGraphRunner:
                 # A break of this runner's replay or capture, or of another runner's on the same
                 # pool, calling it: an eager run, not a graph of the pool half-way through
                 # another; a miss (as inside another capture), so every call is counted once.
-                self._counts["misses"] += 1
-                self._refused_why = (
+                return self._eager_miss(
                     "a break of a replay or capture in this runner's pool (its own or a runner "
-                    "sharing the pool) called it"
+                    "sharing the pool) called it",
+                    (args, kwargs),
                 )
-                return self.module(*args, **kwargs)
             if active_capture() is not None:
                 return self._inside_capture(args, kwargs)
             values: list[bool | int | float] = []
@@ -779,15 +778,17 @@ class BreakableGraphRunner:
         )
         return self.module(*call[0], **call[1])
 
+    def _eager_miss(self, why: str, call: Call) -> Any:
+        """Run ``call`` eagerly as a miss; ``why`` is what :meth:`capture_many` reports."""
+        self._counts["misses"] += 1
+        self._refused_why = why
+        return self.module(*call[0], **call[1])
+
     def _refuse(
         self, sig: Signature, live: list[torch.Tensor], pair: tuple[int, int], call: Call
     ) -> Any:
         """Run eagerly a call whose written argument shares memory with another argument or a
         tensor inside an object argument (see ``overlap.py``): a miss, said once."""
-        self._counts["misses"] += 1
-        self._refused_why = (
-            "an argument the graph writes shares memory with another argument or object"
-        )
         paths = tensor_paths(sig)
         i, j = pair
         other = paths[j] if j < len(live) else tensor_paths(sig, "tensor@")[j - len(live)]
@@ -798,7 +799,10 @@ class BreakableGraphRunner:
             "so such calls run eagerly: pass tensors that do not overlap (clone one) to replay "
             "the graph",
         )
-        return self.module(*call[0], **call[1])
+        return self._eager_miss(
+            "an argument the graph writes shares memory with another argument or object",
+            call,
+        )
 
     def _inside_capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run eagerly a call made while a breakable capture is open in this context (this
@@ -817,11 +821,6 @@ class BreakableGraphRunner:
         """Run eagerly a call that passes another object than the capture's, equal to what the
         capture's was, while the capture's one has changed since: the graph's breaks read the
         capture's object (a miss, said once)."""
-        self._counts["misses"] += 1
-        self._refused_why = (
-            f"its graph reads another {type(stale).__qualname__} object argument, changed "
-            "since the capture"
-        )
         self._misses.refused(
             "stale object",
             f"the graph for this call's signature was captured with another "
@@ -830,16 +829,15 @@ class BreakableGraphRunner:
             "run eagerly: pass the object the graph was captured with (update it in place), or "
             "leave the captured one unchanged",
         )
-        return self.module(*call[0], **call[1])
+        return self._eager_miss(
+            f"its graph reads another {type(stale).__qualname__} object argument, changed "
+            "since the capture",
+            call,
+        )
 
     def _other_autocast(self, entry: Entry, call: Call) -> Any:
         """Run eagerly a call under another autocast state than its graph's capture: the
         graph's kernels are the ones autocast chose then (a miss, warned once)."""
-        self._counts["misses"] += 1
-        self._refused_why = (
-            "its signature's graph was captured under another autocast state (one runner per "
-            "autocast setting)"
-        )
         if not self._warned_autocast:
             self._warned_autocast = True
             logger.warning(
@@ -850,17 +848,16 @@ class BreakableGraphRunner:
                 "off" if entry.autocast is None else entry.autocast,
                 "off" if (now := autocast_state()) is None else now,
             )
-        return self.module(*call[0], **call[1])
+        return self._eager_miss(
+            "its signature's graph was captured under another autocast state (one runner per "
+            "autocast setting)",
+            call,
+        )
 
     def _other_training(self, entry: Entry, call: Call) -> Any:
         """Run eagerly a call made in the other train()/eval() mode than its graph's capture:
         the graph holds the capture's mode (dropout on or off, batch-norm statistics used or
         updated), a miss warned once."""
-        self._counts["misses"] += 1
-        self._refused_why = (
-            "its signature's graph was captured in the other train()/eval() mode (call "
-            "reset() after switching)"
-        )
         if not self._warned_training:
             self._warned_training = True
             mode = {True: "train()", False: "eval()"}
@@ -872,7 +869,11 @@ class BreakableGraphRunner:
                 mode[bool(entry.training)],
                 mode[not entry.training],
             )
-        return self.module(*call[0], **call[1])
+        return self._eager_miss(
+            "its signature's graph was captured in the other train()/eval() mode (call "
+            "reset() after switching)",
+            call,
+        )
 
     def _replay(self, entry: Entry, live: list[torch.Tensor], values: list[Any]) -> Any:
         stream = self._graph_backend.current_stream(self._stream_device)
