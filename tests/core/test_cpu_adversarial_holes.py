@@ -1,0 +1,97 @@
+"""Holes found by feeding the public API what an inference engine might (odd values, odd
+tensors, threads), each pinned by a test on the CPU graph backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    BreakOutputError,
+    eager_on_graph,
+    enable_breakable_cuda_graph,
+    is_breakable_capture_active,
+    is_in_breakable_cuda_graph,
+)
+
+
+def _capture(fn: Callable[[], Any]) -> tuple[BreakableCUDAGraph, Any]:
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        out = fn()
+    return graph, out
+
+
+def _no_capture_state() -> None:
+    assert not is_breakable_capture_active()
+    assert not is_in_breakable_cuda_graph()
+
+
+class _Name(str):
+    """A str subclass (a tokenizer's or an engine's own string type)."""
+
+
+@pytest.mark.parametrize(
+    "host_value",
+    [
+        lambda n: _Name("x" * n),
+        lambda n: frozenset(range(n)),
+        lambda n: set(range(n)),
+        lambda n: bytearray(n),
+        lambda n: np.arange(n),
+        lambda n: np.full((n,), 0.5),
+    ],
+    ids=["str-subclass", "frozenset", "set", "bytearray", "ndarray-int", "ndarray-float"],
+)
+def test_a_host_value_a_break_returns_anew_and_changed_is_refused_at_replay(
+    host_value: Callable[[int], Any],
+) -> None:
+    # A break returning host metadata (a numpy array of lengths, a set of ids, a string) that
+    # the code after it computes with: a replay whose break returned another value used to go
+    # on with the capture's, silently (5x the input where eager gives 7x).
+    x = torch.ones(3)
+
+    @eager_on_graph
+    def lengths(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return t * 1, host_value(int(t[0]))
+
+    def step() -> torch.Tensor:
+        y, meta = lengths(x * 5)
+        return y * len(meta)
+
+    graph, out = _capture(step)
+    assert out.tolist() == [25.0] * 3
+    x.fill_(1.0)
+    graph.replay()  # the same value again: replays
+    assert out.tolist() == [25.0] * 3
+    x.fill_(2.0)
+    with pytest.raises(BreakOutputError, match=r"output\[1\] is .* at replay but was"):
+        graph.replay()
+    _no_capture_state()
+
+
+def test_the_same_host_array_returned_again_is_what_later_breaks_read() -> None:
+    # A persistent host buffer the break refills and returns, read by a later break: that
+    # break receives the same object at every replay, so it is not judged (no false refusal).
+    buf = np.zeros(3)
+    x = torch.ones(3)
+
+    @eager_on_graph
+    def fill(t: torch.Tensor) -> np.ndarray:
+        buf[:] = t.numpy()
+        return buf
+
+    @eager_on_graph
+    def read(t: torch.Tensor, host: np.ndarray) -> torch.Tensor:
+        return t + torch.from_numpy(host).to(t.dtype)
+
+    graph, out = _capture(lambda: read(x * 2, fill(x * 1)) * 1)
+    x.fill_(3.0)
+    graph.replay()
+    assert out.tolist() == [9.0] * 3
