@@ -14,6 +14,7 @@ from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
     BreakOutputError,
+    CaptureError,
     eager_on_graph,
     enable_breakable_cuda_graph,
     is_breakable_capture_active,
@@ -95,3 +96,43 @@ def test_the_same_host_array_returned_again_is_what_later_breaks_read() -> None:
     x.fill_(3.0)
     graph.replay()
     assert out.tolist() == [9.0] * 3
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        lambda x: (x * k for k in (1, 2)),
+        lambda x: map(lambda k: x * k, (1, 2)),
+        lambda x: iter([x * 1, x * 2]),
+        lambda x: zip([x * 1, x * 2]),
+    ],
+    ids=["generator", "map", "iter", "zip"],
+)
+def test_a_break_given_a_one_shot_iterator_is_refused_at_capture(
+    items: Callable[[torch.Tensor], Any],
+) -> None:
+    # The capture's call consumed the iterator, and every replay passed it exhausted: the break
+    # summed nothing and the replay returned 2x the input where eager gives 8x, silently.
+    x = torch.ones(3)
+
+    @eager_on_graph
+    def total(base: torch.Tensor, parts: Any) -> torch.Tensor:
+        out = base.clone()
+        for part in parts:
+            out += part[0] if isinstance(part, tuple) else part
+        return out
+
+    def step() -> torch.Tensor:
+        base = x * 1
+        try:
+            return total(base, items(x)) * 1
+        except CaptureError:
+            return total(base, list(items(x))) * 1  # what the message says: a list replays
+
+    with pytest.raises(CaptureError, match=r"args\[1\], a .*one-shot iterator.*list"):
+        _capture(lambda: total(x * 1, items(x)))
+    _no_capture_state()
+    graph, out = _capture(step)  # code that catches the refusal goes on capturing
+    x.fill_(2.0)
+    graph.replay()
+    assert out.tolist() == [8.0] * 3
