@@ -13,6 +13,7 @@ import torch
 from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
+    BreakableGraphRunner,
     BreakOutputError,
     CaptureError,
     eager_on_graph,
@@ -136,3 +137,26 @@ def test_a_break_given_a_one_shot_iterator_is_refused_at_capture(
     x.fill_(2.0)
     graph.replay()
     assert out.tolist() == [8.0] * 3
+
+
+def test_a_runner_call_holding_a_one_shot_iterator_runs_eagerly_once() -> None:
+    # The warm-ups consumed the generator, and the capture (whose output the call returned)
+    # computed without its items: 2x the input where eager gives 8x, silently.
+    def step(x: torch.Tensor, parts: Any) -> torch.Tensor:
+        out = x.clone()
+        for part in parts:
+            out = out + part
+        return out * 2
+
+    runner = BreakableGraphRunner(step, device="cpu")
+    x = torch.ones(2)
+    assert runner.capture(x, (x * k for k in (1, 2))).tolist() == [8.0, 8.0]
+    report = runner.capture_many([((x, iter([x, x])), {})])
+    assert not report.captured
+    assert "iterator" in report.failed[0][1]
+    assert runner.stats.captures == 0
+    assert runner.stats.misses == 2
+    # A tuple of the same items is captured and replayed.
+    assert runner.capture(x, (x, x * 2)).tolist() == [8.0, 8.0]
+    assert runner(x * 3, (x, x)).tolist() == step(x * 3, (x, x)).tolist() == [10.0, 10.0]
+    assert runner.stats.hits == 1

@@ -43,7 +43,7 @@ import math
 import numbers
 import sys
 import types
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -466,6 +466,19 @@ def _in_object(spec: TreeSpec, inside: bool, out: list[bool]) -> None:
     )
     for child in spec[2]:
         _in_object(child, inside, out)
+
+
+def one_shot_iterator(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, type] | None:
+    """The first one-shot iterator (a generator, ``map``, ``zip``, ``iter(list)``) among a
+    call's arguments outside dataclasses and plain objects, as its path (``args[1]``,
+    ``kwargs['parts']``) and type; None when there is none. A call that runs more than once
+    (a runner's warm-ups and capture, a break's replays) would pass it exhausted."""
+    leaves, spec = flatten((args, kwargs))
+    for path, leaf, inside in zip(key_paths(spec), leaves, in_object(spec), strict=True):
+        if isinstance(leaf, Iterator) and not inside:
+            # The walked call is (args, kwargs): "[0][1]" is args[1], "[1]['k']" is kwargs['k'].
+            return ("args" if path.startswith("[0]") else "kwargs") + path[3:], type(leaf)
+    return None
 
 
 def key_paths(spec: TreeSpec, root: str = "") -> list[str]:

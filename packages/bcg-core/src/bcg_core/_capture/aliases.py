@@ -15,7 +15,6 @@ replay, which is how engines hand host-side metadata to eager attention.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -90,16 +89,14 @@ def refuse_iterators(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     """Raise :class:`CaptureError` when a break is given a one-shot iterator (a generator,
     ``map``, ``zip``, ``iter(list)``) outside objects: the capture's call consumes it, and every
     replay would pass it exhausted (a break summing its items replayed a sum of none)."""
-    leaves, spec = _trees.flatten((args, kwargs))
-    inside = _trees.in_object(spec)
-    for path, x, hidden in zip(_trees.key_paths(spec), leaves, inside, strict=True):
-        if isinstance(x, Iterator) and not hidden:
-            where = ("args" if path.startswith("[0]") else "kwargs") + path[3:]
-            raise CaptureError(
-                f"break {name!r} was given {where}, a {type(x).__name__} (a one-shot "
-                "iterator): the capture's call consumes it and every replay would pass it "
-                "exhausted. Pass a list or tuple instead (list(...))."
-            )
+    found = _trees.one_shot_iterator(args, kwargs)
+    if found is not None:
+        where, kind = found
+        raise CaptureError(
+            f"break {name!r} was given {where}, a {kind.__name__} (a one-shot iterator): the "
+            "capture's call consumes it and every replay would pass it exhausted. Pass a list "
+            "or tuple instead (list(...))."
+        )
 
 
 def refuse_changed_arguments(name: str, before: list[_ArgumentLayout], arguments: Any) -> None:
