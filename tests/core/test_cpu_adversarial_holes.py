@@ -16,11 +16,14 @@ from bcg_core import (
     BreakableGraphRunner,
     BreakOutputError,
     CaptureError,
+    breakable_attention,
     eager_on_graph,
     enable_breakable_cuda_graph,
     is_breakable_capture_active,
     is_in_breakable_cuda_graph,
+    keep_alive_ok,
 )
+from bcg_diffusion import bucket_for
 
 
 def _capture(fn: Callable[[], Any]) -> tuple[BreakableCUDAGraph, Any]:
@@ -160,3 +163,40 @@ def test_a_runner_call_holding_a_one_shot_iterator_runs_eagerly_once() -> None:
     assert runner.capture(x, (x, x * 2)).tolist() == [8.0, 8.0]
     assert runner(x * 3, (x, x)).tolist() == step(x * 3, (x, x)).tolist() == [10.0, 10.0]
     assert runner.stats.hits == 1
+
+
+@pytest.mark.parametrize("debug", [False, "strict"])
+def test_keep_alive_ok_given_no_tensor_says_so(debug: bool | str) -> None:
+    # Under the debug check it raised the raw "'list' object has no attribute
+    # 'untyped_storage'" out of the break; without it, it passed silently (and the same code
+    # failed later under BCG_DEBUG).
+    kept: dict[str, Any] = {}
+
+    @eager_on_graph
+    def cache(t: torch.Tensor) -> torch.Tensor:
+        kept["table"] = keep_alive_ok([t * 3])  # type: ignore[arg-type]
+        return t * 2
+
+    graph = BreakableCUDAGraph(backend="cpu")
+    with (
+        pytest.raises(TypeError, match="keep_alive_ok takes a tensor, got a list"),
+        enable_breakable_cuda_graph(),
+        BreakableCUDAGraphCapture(graph, debug=debug),
+    ):
+        cache(torch.ones(2) * 1)
+    _no_capture_state()
+    assert keep_alive_ok(t := torch.ones(1)) is t
+
+
+def test_breakable_attention_given_no_string_says_so() -> None:
+    pytest.importorskip("transformers")
+    with pytest.raises(TypeError, match="breakable_attention takes an attention implementation"):
+        breakable_attention(3)  # type: ignore[arg-type]
+
+
+def test_bucket_for_refuses_a_nan_length() -> None:
+    # NaN compares False with everything: it was below no bucket and not below 1, and came
+    # back as the smallest bucket, silently.
+    with pytest.raises(ValueError, match="at least one token, got length nan"):
+        bucket_for(float("nan"), [2, 4])
+    assert bucket_for(3, [4, 2]) == 4
