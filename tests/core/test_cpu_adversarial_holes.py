@@ -22,6 +22,7 @@ from bcg_core import (
     is_breakable_capture_active,
     is_in_breakable_cuda_graph,
     keep_alive_ok,
+    patch_attribute,
 )
 from bcg_diffusion import bucket_for
 
@@ -200,3 +201,18 @@ def test_bucket_for_refuses_a_nan_length() -> None:
     with pytest.raises(ValueError, match="at least one token, got length nan"):
         bucket_for(float("nan"), [2, 4])
     assert bucket_for(3, [4, 2]) == 4
+
+
+def test_patch_attribute_refuses_a_wrap_that_is_not_callable() -> None:
+    # It raised the raw "'int' object is not callable" from inside the patch machinery.
+    class Model:
+        def forward(self) -> int:
+            return 1
+
+    with pytest.raises(TypeError, match="patch_attribute's wrap must be callable"):
+        patch_attribute(Model, "forward", 3)  # type: ignore[arg-type]
+    assert Model().forward() == 1
+    handle = patch_attribute(Model, "forward", lambda orig: lambda self: orig(self) + 1)
+    assert Model().forward() == 2
+    handle.remove()
+    assert Model().forward() == 1
