@@ -212,7 +212,13 @@ def patch_attribute(target: Any, name: str, wrap: Wrap) -> PatchHandle:
         AttributeError: ``target`` has no attribute ``name`` (nothing is patched).
         KeyError: ``target`` is a dict without the key ``name`` (nothing is patched).
         ImportError: ``target`` is a dotted name that cannot be imported.
+        TypeError: ``wrap`` is not callable (nothing is patched).
     """
+    if not callable(wrap):
+        # (It failed with the raw "'int' object is not callable" from inside the patch.)
+        raise TypeError(
+            f"patch_attribute's wrap must be callable (original -> replacement), got {wrap!r}"
+        )
     if isinstance(target, str):
         target = importlib.import_module(target)
     kind = (

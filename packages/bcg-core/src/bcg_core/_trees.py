@@ -41,8 +41,9 @@ import enum
 import functools
 import math
 import numbers
+import sys
 import types
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -273,12 +274,16 @@ def _flatten(obj: Any, leaves: list[Any], active: set[int]) -> TreeSpec:
 # after a break computes with. Objects and symbolic numbers are not judged.
 PLAIN_VALUES = (type(None), bool, int, float, str)
 # Leaves judged as plain values too, though not of those exact types: numbers of any kind
-# (numpy scalars, complex, int enums), enums, dtypes, devices, bytes, slices, ranges. Symbolic
-# numbers are not numbers.Number.
+# (numpy scalars, complex, int enums), enums, strings and bytes of any kind, sets, slices,
+# ranges, and numpy arrays (see same_value). Symbolic numbers are not numbers.Number.
 _JUDGED = (
     numbers.Number,
     enum.Enum,
+    str,  # a str subclass was not judged: a changed one replayed the capture's silently
     bytes,
+    bytearray,
+    frozenset,
+    set,
     slice,
     range,
     torch.dtype,
@@ -291,14 +296,27 @@ _JUDGED = (
 def is_plain_value(x: Any) -> bool:
     """Whether a leaf is a value whose change later code would miss (see ``same_value``):
     one of ``PLAIN_VALUES`` or of the other value types above."""
-    return type(x) in PLAIN_VALUES or isinstance(x, _JUDGED)
+    return type(x) in PLAIN_VALUES or isinstance(x, _JUDGED) or _host_array(x)
+
+
+def _host_array(x: Any) -> bool:
+    """Whether ``x`` is a numpy array of values (host metadata: lengths, block ids), not of
+    Python objects (which may hold tensors). numpy is looked up, never imported here."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(x, np.ndarray) and x.dtype.kind != "O"
 
 
 def same_value(got: Any, want: Any) -> bool:
     """Whether a plain value came back as it was: the same type and equal (NaN equals NaN;
-    ``-0.0`` is not ``0.0``: ``x / -0.0`` is not ``x / 0.0``)."""
+    ``-0.0`` is not ``0.0``: ``x / -0.0`` is not ``x / 0.0``); a numpy array has the same
+    dtype, shape and values."""
     if type(got) is not type(want):
         return False
+    if _host_array(got):
+        np = sys.modules["numpy"]
+        if got.dtype != want.dtype or got.shape != want.shape:
+            return False
+        return bool(np.array_equal(got, want, equal_nan=got.dtype.kind in "fc"))
     if got != got:
         return bool(want != want)
     if got == want:
@@ -448,6 +466,19 @@ def _in_object(spec: TreeSpec, inside: bool, out: list[bool]) -> None:
     )
     for child in spec[2]:
         _in_object(child, inside, out)
+
+
+def one_shot_iterator(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, type] | None:
+    """The first one-shot iterator (a generator, ``map``, ``zip``, ``iter(list)``) among a
+    call's arguments outside dataclasses and plain objects, as its path (``args[1]``,
+    ``kwargs['parts']``) and type; None when there is none. A call that runs more than once
+    (a runner's warm-ups and capture, a break's replays) would pass it exhausted."""
+    leaves, spec = flatten((args, kwargs))
+    for path, leaf, inside in zip(key_paths(spec), leaves, in_object(spec), strict=True):
+        if isinstance(leaf, Iterator) and not inside:
+            # The walked call is (args, kwargs): "[0][1]" is args[1], "[1]['k']" is kwargs['k'].
+            return ("args" if path.startswith("[0]") else "kwargs") + path[3:], type(leaf)
+    return None
 
 
 def key_paths(spec: TreeSpec, root: str = "") -> list[str]:

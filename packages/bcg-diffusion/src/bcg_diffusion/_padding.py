@@ -26,13 +26,13 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
 
     Raises:
         ValueError: ``buckets`` is empty or holds a length that is no int or below 1,
-            ``length`` is below 1, or it exceeds the largest bucket (the message names it).
+            ``length`` is below 1 (or NaN), or it exceeds the largest bucket (the message names it).
     """
     ordered = sorted(buckets)
     # A float (16.0) or bool bucket failed later inside F.pad with a TypeError naming neither.
     if not ordered or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in ordered):
         raise ValueError(f"buckets must be positive int lengths, got {ordered}")
-    if length < 1:
+    if not length >= 1:  # (not `length < 1`: a NaN length came back as the smallest bucket)
         # Padding it gives an all-False mask: attention over no key is NaN.
         raise ValueError(f"a prompt must hold at least one token, got length {length}")
     i = bisect.bisect_left(ordered, length)

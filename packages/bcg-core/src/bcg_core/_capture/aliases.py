@@ -85,6 +85,20 @@ def argument_layouts(arguments: Any) -> list[_ArgumentLayout]:
     ]
 
 
+def refuse_iterators(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise :class:`CaptureError` when a break is given a one-shot iterator (a generator,
+    ``map``, ``zip``, ``iter(list)``) outside objects: the capture's call consumes it, and every
+    replay would pass it exhausted (a break summing its items replayed a sum of none)."""
+    found = _trees.one_shot_iterator(args, kwargs)
+    if found is not None:
+        where, kind = found
+        raise CaptureError(
+            f"break {name!r} was given {where}, a {kind.__name__} (a one-shot iterator): the "
+            "capture's call consumes it and every replay would pass it exhausted. Pass a list "
+            "or tuple instead (list(...))."
+        )
+
+
 def refuse_changed_arguments(name: str, before: list[_ArgumentLayout], arguments: Any) -> None:
     """Raise :class:`CaptureError` when a break changed a tensor argument's layout in place
     (``t_()``, ``unsqueeze_()``, ``resize_()``, ``set_()``): every replay passes the arguments

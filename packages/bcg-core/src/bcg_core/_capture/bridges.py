@@ -18,8 +18,9 @@ structure (types, dict keys, field names, lengths; tensors where tensors were): 
 matched by key, never by position, and any other difference raises :class:`BreakOutputError`
 naming the break and the difference. Non-tensor values are part of the capture: later Python
 code saw the capture-time value, so a ``None``, bool, number (numpy's too), string, enum,
-dtype or device returned directly in the structure (not inside a dataclass or plain object,
-whose other state bcg cannot judge) must come back equal at every replay, or the replay raises
+dtype, device, bytes, set or numpy array returned directly in the structure (not inside a
+dataclass or plain object, whose other state bcg cannot judge) must come back equal at every
+replay (the capture's own object returned again is not judged), or the replay raises
 :class:`BreakOutputError` instead of returning what the capture-time value computed.
 """
 

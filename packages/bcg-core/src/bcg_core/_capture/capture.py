@@ -15,7 +15,12 @@ import torch
 
 from bcg_core._backends import CaptureStatus, GraphBackend, Segment
 from bcg_core._capture import owned
-from bcg_core._capture.aliases import alias_tree, argument_layouts, refuse_changed_arguments
+from bcg_core._capture.aliases import (
+    alias_tree,
+    argument_layouts,
+    refuse_changed_arguments,
+    refuse_iterators,
+)
 from bcg_core._capture.bridges import Bridge, contains_device_tensor, copy_into_pool
 from bcg_core._capture.compiles import as_capture_error, compiles_refused
 from bcg_core._capture.context import (
@@ -205,6 +210,7 @@ class CaptureState:
         debugging = self.debug is not DebugLevel.OFF
         given = argument_tensors((args, kwargs)) if debugging else []
         layouts = argument_layouts((args, kwargs))
+        refuse_iterators(name, args, kwargs)
         modes = current_modes()  # what the code around the break set up (autocast, inference)
         # Marked inside the break only now, right before the try that unmarks it: an error
         # reading the arguments above left the capture marked, and every later break of a

@@ -70,7 +70,18 @@ def keep_alive_ok(tensor: torch.Tensor) -> torch.Tensor:
 
     Returns:
         ``tensor`` itself, unchanged.
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor (mark each tensor of a container), also outside
+            a debug-checked break, so that code does not fail only under ``BCG_DEBUG``.
     """
+    if not isinstance(tensor, torch.Tensor):
+        # (Under the debug check it raised the raw "'list' object has no attribute
+        # 'untyped_storage'"; without it, it passed.)
+        raise TypeError(
+            f"keep_alive_ok takes a tensor, got a {type(tensor).__name__}; mark each tensor "
+            "the break keeps (keep_alive_ok(t) for t in ...)"
+        )
     tracker = TRACKER.get()
     if tracker is not None:
         tracker.allowed.add(storage_key(tensor))

@@ -90,7 +90,14 @@ def breakable_attention(base: str = "sdpa") -> str:
         ValueError: ``base`` is unknown, or is a ``flash_attention_*`` implementation, whose
             functions pick their kernel from the model config's implementation name and cannot
             run under another name.
+        TypeError: ``base`` is not a string.
     """
+    if not isinstance(base, str):
+        # (It failed with the raw "'int' object has no attribute 'startswith'".)
+        raise TypeError(
+            "breakable_attention takes an attention implementation's name, such as 'sdpa' or "
+            f"'paged|sdpa', got {base!r}"
+        )
     attention_interface, mask_interface = _interfaces()
     sliding_window.install()
     dynamic_cache.install()

@@ -42,6 +42,7 @@ from bcg_core._signature import (
     signature_and_tensors,
     tensor_paths,
 )
+from bcg_core._trees import one_shot_iterator
 
 logger = logging.getLogger("bcg_core")
 
@@ -116,7 +117,9 @@ class BreakableGraphRunner:
     capture with more than ``max_segments`` segments disables the runner (eager for everything,
     reason in :attr:`disabled_reason`); beyond ``max_entries`` the least recently used entry is
     evicted (after its last replay finished on the device) and its graph's memory goes back to
-    the pool. With ``device="cuda"`` and no CUDA device every call runs eagerly, with a
+    the pool. A call holding a one-shot iterator (a generator, ``map``, ``iter(list)``) is never
+    captured, since warm-ups and capture would each consume it: it runs once, eagerly (a miss,
+    warned once). With ``device="cuda"`` and no CUDA device every call runs eagerly, with a
     one-time notice; ``device="cpu"`` captures CPU graphs (the CPU backend of
     :class:`BreakableCUDAGraph`, with CUDA's capture rules). Attribute access falls through to
     the wrapped module. Calls are serialised by a lock: static buffers are shared state.
@@ -662,6 +665,22 @@ class BreakableGraphRunner:
         live: list[torch.Tensor],
         values: list[Any],
     ) -> Any:
+        iterator = one_shot_iterator(*call)
+        if iterator is not None:
+            # Warm-ups and the capture would each run the step on it: the capture (whose output
+            # this call returns) computed with it exhausted. Run once, eagerly, as given.
+            where, kind = iterator
+            self._misses.refused(
+                "one-shot iterator",
+                f"{where} of this call is a {kind.__name__} (a one-shot iterator): a capture "
+                "runs the step several times, each consuming it, so such calls run eagerly; "
+                "pass a list or tuple to capture the call",
+            )
+            return self._eager_miss(
+                f"{where} is a one-shot iterator (a capture runs the step several times): pass "
+                "a list or tuple",
+                call,
+            )
         pool, lane = self.pool, self.stream
         current = self._graph_backend.current_stream(self.device)
         self._turn.busy = self
