@@ -1,0 +1,133 @@
+"""Holes found by trying, through the public API on the CPU backend, the behaviours that other
+breakable-graph implementations test (sglang, vLLM, TensorRT-LLM, Meta's breakable-cuda-graphs),
+each pinned by a test that failed before its fix."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    eager_on_graph,
+    enable_breakable_cuda_graph,
+    is_breakable_capture_active,
+)
+
+
+def _dispatch_modes() -> list[Any]:
+    return [torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack())]
+
+
+# -- breaks inside autograd's backward (a whole training step captured) -------------------------
+
+
+@eager_on_graph(strict=True, name="peers.relu_forward")
+def _relu_forward(h: torch.Tensor, out: torch.Tensor) -> None:
+    torch.clamp(h, min=0, out=out)
+
+
+@eager_on_graph(strict=True, name="peers.relu_backward")
+def _relu_backward(h: torch.Tensor, grad_out: torch.Tensor, grad_in: torch.Tensor) -> None:
+    torch.mul(grad_out, h > 0, out=grad_in)
+
+
+class _BreakReLU(torch.autograd.Function):
+    """ReLU whose forward and backward each run as a break writing into a buffer."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(h)
+        _relu_forward(h, out)
+        ctx.save_for_backward(h)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> torch.Tensor:
+        (h,) = ctx.saved_tensors
+        grad_in = torch.empty_like(h)
+        _relu_backward(h, grad_out.contiguous(), grad_in)
+        return grad_in
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 12)
+        self.fc2 = nn.Linear(12, 12)
+        self.fc3 = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # two break-ReLUs: two breaks in forward, two in backward (in separate autograd nodes)
+        return self.fc3(_BreakReLU.apply(self.fc2(_BreakReLU.apply(self.fc1(x)))))
+
+
+def _train_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, t: torch.Tensor
+) -> None:
+    nn.functional.mse_loss(model(x), t).backward()
+    opt.step()
+
+
+def test_a_training_step_with_breaks_in_backward_replays_like_eager() -> None:
+    # Meta's package and bcg's own CUDA suite capture forward, backward (a custom Function whose
+    # backward is a break) and the optimizer step as one graph. On the CPU backend autograd ran
+    # each backward node under the dispatch-mode stack of the backward() call, so after the
+    # break the ended segment's recorder was back on the stack: the capture failed ("dispatch
+    # mode(s) _CompilingRecorder ... still active") and left that recorder on the stack for
+    # good, refusing every later torch.equal / .item() of the process as a host sync.
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, t = torch.randn(5, 6), torch.randn(5, 3)
+    for _ in range(2):
+        opt.zero_grad(set_to_none=False)
+        _train_step(model, opt, x, t)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    graph = BreakableCUDAGraph(backend="cpu")
+    opt.zero_grad(set_to_none=False)
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        _train_step(model, opt, x, t)
+    assert _dispatch_modes() == []
+    assert not is_breakable_capture_active()
+    assert graph.break_names.count("peers.relu_backward") == 2
+    ref_opt.zero_grad(set_to_none=False)
+    _train_step(reference, ref_opt, x.clone(), t.clone())  # the capture was one real step
+    for _ in range(3):
+        new_x, new_t = torch.randn(5, 6), torch.randn(5, 3)
+        x.copy_(new_x)
+        t.copy_(new_t)
+        opt.zero_grad(set_to_none=False)
+        with torch.no_grad():  # (a break's arguments that required grad: the next test)
+            graph.replay()
+        ref_opt.zero_grad(set_to_none=False)
+        _train_step(reference, ref_opt, new_x, new_t)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert p.grad is not None and q.grad is not None
+            assert torch.equal(p.grad, q.grad)
+            assert torch.equal(p, q)
+
+
+def test_a_capture_failing_after_a_break_in_backward_leaves_no_recorder() -> None:
+    # The user's code raises after the backward: the recorder autograd put back on the stack
+    # stayed there (recording, and refusing host reads, for the rest of the process).
+    torch.manual_seed(0)
+    model = _Net()
+    x, t = torch.randn(5, 6), torch.randn(5, 3)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with (
+        pytest.raises(ValueError, match="after backward"),
+        enable_breakable_cuda_graph(),
+        BreakableCUDAGraphCapture(graph),
+    ):
+        nn.functional.mse_loss(model(x), t).backward()
+        raise ValueError("after backward")
+    assert _dispatch_modes() == []
+    assert not is_breakable_capture_active()
+    assert torch.equal(torch.ones(2), torch.ones(2))  # a host read, outside any capture
