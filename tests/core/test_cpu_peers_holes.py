@@ -131,3 +131,30 @@ def test_a_capture_failing_after_a_break_in_backward_leaves_no_recorder() -> Non
     assert _dispatch_modes() == []
     assert not is_breakable_capture_active()
     assert torch.equal(torch.ones(2), torch.ones(2))  # a host read, outside any capture
+
+
+# -- a break given a tensor that requires grad, replayed in grad mode ------------------------------
+
+
+@eager_on_graph(name="peers.scale_into")
+def _scale_into(h: torch.Tensor, out: torch.Tensor) -> None:
+    torch.mul(h, 2, out=out)
+
+
+def test_a_break_argument_that_required_grad_replays_without_autograd() -> None:
+    # On CUDA a break's tensor arguments are replayed through aliases, which carry no autograd
+    # history. The CPU backend kept an argument that required grad as itself, so a replay in
+    # grad mode ran the break with autograd: an out= op raised "functions with out=...
+    # arguments don't support automatic differentiation" (and a break's result depended on
+    # the replay's grad mode).
+    w = torch.ones(3, requires_grad=True)
+    x = torch.tensor([1.0, 2.0, 3.0])
+    out = torch.zeros(3)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        h = x * w  # requires grad
+        with torch.no_grad():  # as in an autograd.Function's forward
+            _scale_into(h, out)
+    x.copy_(torch.tensor([4.0, 5.0, 6.0]))
+    graph.replay()  # in grad mode
+    assert torch.equal(out, torch.tensor([8.0, 10.0, 12.0]))
