@@ -14,9 +14,11 @@ from torch import nn
 from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
+    CaptureError,
     eager_on_graph,
     enable_breakable_cuda_graph,
     is_breakable_capture_active,
+    keep_alive_ok,
 )
 
 
@@ -158,3 +160,81 @@ def test_a_break_argument_that_required_grad_replays_without_autograd() -> None:
     x.copy_(torch.tensor([4.0, 5.0, 6.0]))
     graph.replay()  # in grad mode
     assert torch.equal(out, torch.tensor([8.0, 10.0, 12.0]))
+
+
+# -- the debug check (BCG_DEBUG / debug=): tensors a break keeps without returning them ----------
+
+_kept: list[torch.Tensor] = []
+
+_LIB = torch.library.Library("bcg_peers_test", "DEF")
+_LIB.define("scaled_copy(Tensor src) -> Tensor")
+
+
+def _scaled_copy_kernel(src: torch.Tensor) -> torch.Tensor:
+    _kept.append(src * 3)  # kept, not returned: what the debug check exists to report
+    return src.clone()
+
+
+_LIB.impl("scaled_copy", _scaled_copy_kernel, "CPU")
+
+
+@torch.library.custom_op("bcg_peers_test::bump", mutates_args=["x"])
+def _bump(x: torch.Tensor) -> None:
+    _kept.append(x * 5)
+    x.add_(1)
+
+
+@eager_on_graph(name="peers.via_library_op")
+def _via_library_op(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.bcg_peers_test.scaled_copy(x)
+
+
+@eager_on_graph(name="peers.via_custom_op")
+def _via_custom_op(x: torch.Tensor) -> None:
+    torch.ops.bcg_peers_test.bump(x)
+
+
+@pytest.mark.parametrize("call", [_via_library_op, _via_custom_op], ids=["library", "custom_op"])
+def test_the_debug_check_sees_a_tensor_kept_inside_a_custom_op(call: Any) -> None:
+    # sglang's debug check reports a tensor kept by a custom op's kernel (old Library.impl and
+    # torch.library.custom_op). bcg's dispatch mode saw only the custom op itself (a mode is
+    # popped while it handles an op), so the kernel's kept tensor was never reported.
+    _kept.clear()
+    x = torch.ones(8)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with (
+        pytest.raises(CaptureError, match="neither returned nor wrote"),
+        enable_breakable_cuda_graph(),
+        BreakableCUDAGraphCapture(graph, debug="strict"),
+    ):
+        call(x * 1)
+    assert len(_kept) == 1  # the kernel ran once, under the check
+    _kept.clear()
+
+
+_BIG = 10_000_000  # 40 MB: the C allocator maps it, and maps a freed one at the same address
+
+
+def test_keep_alive_ok_exempts_a_storage_not_its_address() -> None:
+    # sglang keys its exemption by a weak reference to the storage. bcg kept the address: a
+    # marked tensor that died exempted the next tensor the break made and kept at that address.
+    kept: list[torch.Tensor] = []
+    reused: list[bool] = []
+
+    @eager_on_graph(name="peers.marks_then_keeps")
+    def marks_then_keeps(x: torch.Tensor) -> None:
+        table = keep_alive_ok(x * 2)
+        address = table.untyped_storage().data_ptr()
+        del table
+        kept.append(x * 3)
+        reused.append(kept[0].untyped_storage().data_ptr() == address)
+
+    x = torch.ones(_BIG)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with (
+        pytest.raises(CaptureError, match="neither returned nor wrote"),
+        enable_breakable_cuda_graph(),
+        BreakableCUDAGraphCapture(graph, debug="strict"),
+    ):
+        marks_then_keeps(x)
+    assert reused  # (reused or not, the kept tensor is a leak)
