@@ -390,6 +390,7 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         self.graph_memory: set[int] = graph_memory if graph_memory is not None else set()
         self.host_scalars: list[HostScalar] = []
         self.error: HostSyncError | None = None
+        self.stopped = False
         self._token: Token[Recorder | None] | None = None
         self._hooks: contextlib.ExitStack | None = None
 
@@ -406,16 +407,28 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         A dispatch mode entered inside the segment and still active here (at a break, or at the
         end of the capture) is lifted off, this recorder removed, the mode put back, and a
         :class:`CaptureError` raised: leaving the recorder in place would record forever.
+
+        Stopped recorders found on the stack are dropped. Autograd's engine runs each backward
+        node under the dispatch-mode stack of the ``backward()`` call, so after a break inside
+        backward the segment that was open at that call is back on the stack (it forwards its
+        ops to the active recorder, see ``__torch_dispatch__``) while the one begun at the break
+        may be missing from it; this recorder is then pushed back only to be exited.
         """
+        self.stopped = True
         above: list[Any] = []
         try:
+            found = False
             while torch._C._len_torch_dispatch_stack() > 0:
                 top = torch._C._get_dispatch_stack_at(torch._C._len_torch_dispatch_stack() - 1)
                 if top is self:
+                    found = True
                     break
-                above.append(torch._C._pop_torch_dispatch_stack(None))
-            if torch._C._len_torch_dispatch_stack() > 0:
-                self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+                mode = torch._C._pop_torch_dispatch_stack(None)
+                if not (isinstance(mode, Recorder) and mode.stopped):
+                    above.append(mode)
+            if not found:  # dropped by autograd (above): exit it all the same (mode flags)
+                torch._C._push_on_torch_dispatch_stack(self)
+            self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
             for mode in reversed(above):
                 torch._C._push_on_torch_dispatch_stack(mode)
         finally:
@@ -428,7 +441,7 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
             if self._hooks is not None:
                 self._hooks.close()
                 self._hooks = None
-        if above:
+        if above and found:
             names = ", ".join(type(m).__name__ for m in above)
             raise CaptureError(
                 f"dispatch mode(s) {names} entered inside a graph segment were still active when "
@@ -449,6 +462,13 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if self.stopped:
+            # Put back on the stack by autograd after a break inside backward (see stop()):
+            # the segment recording now is the active one; between segments nothing records.
+            active = _ACTIVE.get()
+            if active is None or active is self:
+                return func(*args, **(kwargs or {}))
+            return active.__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
         reason = host_sync_reason(func, args, kwargs)
         if reason is not None:

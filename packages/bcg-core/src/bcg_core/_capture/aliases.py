@@ -56,16 +56,20 @@ def alias_tree(obj: Any, device_types: frozenset[str], device_type: str) -> Any:
     Containers (lists, dicts, tuples) holding a tensor of the graph's ``device_type`` are
     therefore rebuilt, so a host value in them is the capture's at every replay (an engine
     changing ``meta[1]`` in place is not seen; an object's attributes are). A backend that
-    aliases nothing (CPU) rebuilds them all the same, around detached views of the same memory,
-    so that it replays what CUDA replays."""
+    aliases nothing (CPU) rebuilds them all the same, around detached views of the same memory
+    (also of a tensor that requires grad: an alias has no autograd history), so that it replays
+    what CUDA replays."""
 
     def leaf(t: torch.Tensor) -> torch.Tensor:
         if not has_memory_layout(t):
             return t
         if t.device.type in device_types:
             return alias_tensor(t)
-        if t.device.type == device_type and not device_types and not t.requires_grad:
-            return t.detach()  # another object on the same memory, as an alias is
+        if t.device.type == device_type and not device_types:
+            # Another object on the same memory, as an alias is, and like one without autograd
+            # history: a tensor that required grad made a replay in grad mode differ from CUDA's
+            # (an out= op raised "don't support automatic differentiation").
+            return t.detach()
         return t
 
     return _trees.map_tensors(obj, leaf, into_objects=False)

@@ -84,7 +84,7 @@ def keep_alive_ok(tensor: torch.Tensor) -> torch.Tensor:
         )
     tracker = TRACKER.get()
     if tracker is not None:
-        tracker.allowed.add(storage_key(tensor))
+        tracker.allow(tensor)
     return tensor
 
 
@@ -110,12 +110,8 @@ def report_leaks(
     # Returned tensors are bridged (found as bridges find them); argument tensors are caller- or
     # pool-owned.
     reached = (*tensor_leaves(output), *arguments)
-    kept = {storage_key(t) for t in reached}
-    leaked = {
-        ptr: size
-        for ptr, size in tracker.alive().items()
-        if ptr not in kept and ptr not in tracker.allowed
-    }
+    kept = {storage_key(t) for t in reached} | tracker.allowed()
+    leaked = {ptr: size for ptr, size in tracker.alive().items() if ptr not in kept}
     if not leaked:
         return
     sizes = ", ".join(f"{size} bytes" for size in leaked.values())

@@ -42,6 +42,7 @@ def storage_key(t: torch.Tensor) -> int:
 # functionalization relies on them); another library's op may return an input unannotated.
 _TRUSTED_SCHEMAS = frozenset({"aten", "prims"})
 _fresh_cache: dict[Any, tuple[int, ...] | None] = {}
+_BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
 _fresh_lock = threading.Lock()
 
 
@@ -80,7 +81,9 @@ class FreshTensorTracker(torch.utils._python_dispatch.TorchDispatchMode):  # typ
         super().__init__()  # type: ignore[no-untyped-call]
         self.device_type = device_type
         self.fresh: list[tuple[StorageWeakRef, int, int]] = []
-        self.allowed: set[int] = set()
+        # keep_alive_ok's storages, by weak reference: an address alone also exempted a tensor
+        # the break made later at the same address, once the marked one had died.
+        self._allowed: list[tuple[StorageWeakRef, int]] = []
         self._token: Any = None
 
     def __enter__(self) -> FreshTensorTracker:
@@ -99,8 +102,8 @@ class FreshTensorTracker(torch.utils._python_dispatch.TorchDispatchMode):  # typ
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        out = func(*args, **(kwargs or {}))
         fresh = _fresh_returns(func)
+        out = self._run(func, args, kwargs or {}, inside=fresh is None)
         if fresh is None:  # no schema to trust: compare with the inputs' storages
             inputs = {storage_key(t) for t in tensor_leaves((args, kwargs), into_objects=False)}
             for t in tensor_leaves(out, into_objects=False):
@@ -113,6 +116,28 @@ class FreshTensorTracker(torch.utils._python_dispatch.TorchDispatchMode):  # typ
                     self._note(t)
         return out
 
+    def _run(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, inside: bool
+    ) -> Any:
+        """Run ``func``; with ``inside``, under this mode again, below the Python key: another
+        library's op (a ``torch.library`` custom op) then shows the ops its kernel issues,
+        which the mode, popped while it handles an op, missed (a tensor such a kernel kept was
+        never reported)."""
+        if not inside or not isinstance(func, torch._ops.OpOverload):
+            return func(*args, **kwargs)
+        tensors = tensor_leaves((args, kwargs), into_objects=False)
+        if not tensors:
+            return func(*args, **kwargs)
+        keys = torch._C.DispatchKeySet(torch._C.DispatchKey.Undefined)
+        for t in tensors:
+            keys = keys | torch._C._dispatch_keys(t)
+        mode = torch.utils._python_dispatch.TorchDispatchMode
+        mode.__enter__(self)  # type: ignore[no-untyped-call]  # the mode alone (not TRACKER)
+        try:
+            return func.redispatch(keys & _BELOW_PYTHON, *args, **kwargs)
+        finally:
+            mode.__exit__(self, None, None, None)  # type: ignore[no-untyped-call]
+
     def _note(self, t: torch.Tensor) -> None:
         if t.device.type != self.device_type:
             return
@@ -120,6 +145,15 @@ class FreshTensorTracker(torch.utils._python_dispatch.TorchDispatchMode):  # typ
         if storage.nbytes():
             ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
             self.fresh.append((ref, storage.data_ptr(), storage.nbytes()))
+
+    def allow(self, t: torch.Tensor) -> None:
+        """Exempt ``t``'s storage from the leak report while it lives (``keep_alive_ok``)."""
+        storage = t.untyped_storage()
+        self._allowed.append((StorageWeakRef(storage), storage.data_ptr()))  # type: ignore[no-untyped-call]
+
+    def allowed(self) -> set[int]:
+        """The storage pointers exempted by :meth:`allow` whose storages are still alive."""
+        return {ptr for ref, ptr in self._allowed if not ref.expired()}  # type: ignore[no-untyped-call]
 
     def alive(self) -> dict[int, int]:
         """Storage pointer → bytes of every fresh storage still referenced by a live tensor."""
