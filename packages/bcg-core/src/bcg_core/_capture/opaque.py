@@ -392,9 +392,13 @@ def _written_tensors(
     """Which of the call's tensors the fake function writes into: a dry run on fake copies
     (made in the tracing fake mode), comparing version counters."""
     _, fake, name = _registered(function_id)
-    copies = [
-        torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in tensors
-    ]
+    # Normal tensors even in inference mode: an inference tensor has no version counter
+    # (a call traced under torch.inference_mode() failed with torch's raw error).
+    with torch.inference_mode(False):
+        copies = [
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            for t in tensors
+        ]
     versions = [c._version for c in copies]
     it = iter(copies)
     args, kwargs = pytree.tree_unflatten(
