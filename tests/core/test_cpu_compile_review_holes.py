@@ -8,6 +8,9 @@ minutes of C++ compilation on this 2-core box.
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 import torch._dynamo
 
@@ -35,3 +38,30 @@ def test_a_compiled_break_called_in_inference_mode_compiles() -> None:
     for _ in range(2):
         x = torch.randn(5)
         assert torch.equal(compiled(x), _uses_scale_into_in_inference_mode(x))
+
+
+@eager_on_graph(name="cr.described")
+def _described(x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    # plain values of the kinds a break may return: a string, a dtype, a device, nested
+    return x * 2, ("mean", torch.float64, x.device, {"tag": "a", "n": 3})
+
+
+def _uses_described(x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    y, (reduction, dtype, device, extra) = _described(x.cos())
+    out = (y.mean() if reduction == "mean" else y.sum()).to(dtype).to(device) * extra["n"]
+    return out, (reduction, dtype, device, extra)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "eager"])
+def test_a_compiled_break_returning_strings_dtypes_and_devices_compiles_with_fullgraph(
+    backend: str,
+) -> None:
+    # Dynamo refuses such values as the nonstrict call's output: fullgraph=True failed with its
+    # raw "Unsupported output type for nonstrict_trace-ed function".
+    torch._dynamo.reset()
+    compiled = torch.compile(_uses_described, backend=backend, fullgraph=True)
+    for _ in range(2):
+        x = torch.randn(4)
+        got, want = compiled(x), _uses_described(x)
+        assert torch.equal(got[0], want[0]) and got[0].dtype == torch.float64
+        assert got[1] == want[1]

@@ -204,13 +204,30 @@ class _Named:
         self.cls, self.values = cls, values
 
 
-def _named_nodes(tree: Any) -> Any:
-    """``tree`` with every named tuple in it made a :class:`_Named` (real Python, not traced)."""
+class _Constant:
+    """A plain value of an op's output that dynamo refuses as the nonstrict call's output (a
+    string, a dtype, a device: fullgraph=True failed with "Unsupported output type"): a node
+    without children that keeps the value in its context, a constant of the traced output's
+    spec, and rebuilds it as the value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+# The output leaves dynamo takes as they are (None is boxed, see _NONE).
+_OUTPUT_TYPES = (torch.Tensor, int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _output_nodes(tree: Any) -> Any:
+    """``tree`` with every named tuple in it made a :class:`_Named`, and every leaf of another
+    type than :data:`_OUTPUT_TYPES` a :class:`_Constant` (real Python, not traced)."""
 
     def node(x: Any) -> Any:
         if pytree.is_namedtuple_instance(x):
-            return _Named(type(x), [_named_nodes(v) for v in x])
-        return x
+            return _Named(type(x), [_output_nodes(v) for v in x])
+        return x if isinstance(x, _OUTPUT_TYPES) else _Constant(x)
 
     return pytree.tree_map(node, tree, is_leaf=pytree.is_namedtuple_instance)
 
@@ -231,6 +248,12 @@ pytree.register_pytree_node(
     lambda node: (node.values, node.cls),
     _named_unflatten,
     serialized_type_name="bcg_core._capture.opaque._Named",
+)
+pytree.register_pytree_node(
+    _Constant,
+    lambda node: ([], node.value),
+    lambda _, value: value,
+    serialized_type_name="bcg_core._capture.opaque._Constant",
 )
 
 
@@ -280,7 +303,7 @@ def _apply(
     flat = [_concrete(x) for x in flat]
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     if torch._guards.detect_fake_mode(tensors) is None:
-        return _named_nodes(_box(_run_as_traced(function_id, site, flat, spec))), 0
+        return _output_nodes(_box(_run_as_traced(function_id, site, flat, spec))), 0
     key = _layout_for(function_id, flat, spec, tensors)
     layout = _layouts[key]
     functional, mutating, take = _ops()
@@ -296,7 +319,7 @@ def _apply(
     assert layout.out_spec is not None  # set by the fake implementation the call just ran
     with _lock:
         _sites[site] = key
-    return _named_nodes(_box(_rebuild(layout.out_leaves, outs, layout.out_spec))), 0
+    return _output_nodes(_box(_rebuild(layout.out_leaves, outs, layout.out_spec))), 0
 
 
 def _run_as_traced(function_id: int, site: str, flat: list[Any], spec: pytree.TreeSpec) -> Any:
