@@ -65,3 +65,32 @@ def test_a_compiled_break_returning_strings_dtypes_and_devices_compiles_with_ful
         got, want = compiled(x), _uses_described(x)
         assert torch.equal(got[0], want[0]) and got[0].dtype == torch.float64
         assert got[1] == want[1]
+
+
+_WEIGHT = torch.nn.Parameter(torch.randn(4, 4))
+
+
+@eager_on_graph(name="cr.project")
+def _project(x: torch.Tensor) -> torch.Tensor:
+    return x @ _WEIGHT  # a parameter it does not take as an argument
+
+
+def _loss(x: torch.Tensor) -> torch.Tensor:
+    return (_project(x.relu()) * 2).sum()
+
+
+def test_a_compiled_break_using_a_parameter_it_does_not_take_trains() -> None:
+    # The opaque op has no backward: compiled, its output required no grad, so backward()
+    # failed ("does not require grad"), or with another trained tensor in the loss, the
+    # parameter silently got no gradient.
+    torch._dynamo.reset()
+    compiled = torch.compile(_loss, backend="aot_eager")
+    x = torch.randn(2, 4)
+    _WEIGHT.grad = None
+    _loss(x).backward()
+    want, _WEIGHT.grad = _WEIGHT.grad, None
+    compiled(x).backward()
+    assert want is not None and _WEIGHT.grad is not None
+    assert torch.equal(_WEIGHT.grad, want)
+    with torch.no_grad():  # inference still compiles the break as one op
+        assert torch.equal(torch.compile(_loss, backend="aot_eager", fullgraph=True)(x), _loss(x))

@@ -428,9 +428,21 @@ def _written_tensors(
         [next(it) if isinstance(x, torch.Tensor) else x for x in flat], spec
     )
     try:
-        fake(*args, **kwargs)
+        out = fake(*args, **kwargs)
     except Exception as exc:
         raise _unfakeable(name, exc) from exc
+    if torch.is_grad_enabled() and any(t.requires_grad for t in _trees.tensor_leaves(out)):
+        # The op has no backward: its output would require no grad, and the parameter the
+        # break uses got no gradient, silently (or backward() failed).
+        raise _refusal(
+            name,
+            f"bcg: break {name!r} returns a tensor that requires grad (it uses a parameter, or "
+            "another tensor that requires grad, that it does not take as an argument); a "
+            "compiled break is an op without a backward, so in grad mode this call is a dynamo "
+            "graph break and autograd runs through the eager break (fullgraph=True fails). "
+            "Under torch.no_grad() it is one opaque op.",
+            TypeError,
+        )
     return tuple(
         i for i, (c, v) in enumerate(zip(copies, versions, strict=True)) if c._version != v
     )
