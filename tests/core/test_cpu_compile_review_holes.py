@@ -94,3 +94,34 @@ def test_a_compiled_break_using_a_parameter_it_does_not_take_trains() -> None:
     assert torch.equal(_WEIGHT.grad, want)
     with torch.no_grad():  # inference still compiles the break as one op
         assert torch.equal(torch.compile(_loss, backend="aot_eager", fullgraph=True)(x), _loss(x))
+
+
+_MIX = torch.randn(4, 4)
+
+
+@eager_on_graph(name="cr.mix")
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    return x @ _MIX  # autocast makes this a bfloat16 matmul
+
+
+def _mixed_inside(x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return _mix(x.sin()) + 1
+
+
+def _mixed(x: torch.Tensor) -> torch.Tensor:
+    return _mix(x.sin()) + 1
+
+
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_a_compiled_break_runs_under_the_callers_autocast(where: str) -> None:
+    # The compiled code runs without autocast's state (its casts are in the graph), so the
+    # break ran its matmul in float32: another dtype and other values than eager's.
+    torch._dynamo.reset()
+    fn = _mixed_inside if where == "inside" else _mixed
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    x = torch.randn(3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=where == "around"):
+        got, want = compiled(x), fn(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, want)

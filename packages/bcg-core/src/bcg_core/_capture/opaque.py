@@ -29,6 +29,7 @@ against the layout the site's trace made, as the op's real implementation does.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -47,6 +48,7 @@ import torch.utils._pytree as pytree  # noqa: PLC2701
 
 from bcg_core import _trees
 from bcg_core._capture import owned
+from bcg_core._capture.modes import autocast_state, entered
 from bcg_core._errors import BreakOutputError
 from bcg_core._once import first_time
 from bcg_core._trees import PLAIN_VALUES, same_value
@@ -74,6 +76,7 @@ class _Layout:
     spec: pytree.TreeSpec
     leaves: list[Any]  # the non-tensor leaves; tensor positions hold _TENSOR
     mutated: tuple[int, ...]  # indices among the call's tensors that the function writes into
+    amp: tuple[Any, ...] | None  # the autocast state the call was traced under (modes.py)
     out_spec: pytree.TreeSpec | None = None
     out_leaves: list[Any] = field(default_factory=list)
     # Per tensor output, the strides compiled code after the op assumes (None: none known).
@@ -264,8 +267,12 @@ def call(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
 
     boxed_args, boxed_kwargs = _box((args, kwargs))
     site = _new_site() + ""  # a value without the source dynamo gives a call's result
+    # Compiled code runs without autocast's state (its casts are in the graph), so the break
+    # gets the traced one (constant here; dynamo guards on the state around the frame).
+    amp = _box(autocast_state())
     # The second element keeps the traced output non-empty (dynamo refuses an empty one).
-    out = torch._dynamo.nonstrict_trace(_apply)(function_id, site, boxed_args, boxed_kwargs)[0]
+    out = torch._dynamo.nonstrict_trace(_apply)(function_id, site, amp, boxed_args, boxed_kwargs)
+    out = out[0]
     return _unbox_output(out)
 
 
@@ -287,7 +294,7 @@ _new_site._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _apply(
-    function_id: int, site: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    function_id: int, site: str, amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, int]:
     """Run at trace time (dynamo's fake pass, then AOTAutograd's): the op call, traced."""
     if torch.compiler.is_dynamo_compiling():  # True only in code dynamo traces symbolically
@@ -299,12 +306,13 @@ def _apply(
     # A break passed into the compiled frame (an argument, a closure) has its id read from
     # there, which dynamic=True makes a SymInt: guarded to its value, as any number is here.
     function_id = _concrete(function_id)
+    amp = _unbox(amp)
     flat, spec = pytree.tree_flatten(_unbox((args, kwargs)))
     flat = [_concrete(x) for x in flat]
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     if torch._guards.detect_fake_mode(tensors) is None:
-        return _output_nodes(_box(_run_as_traced(function_id, site, flat, spec))), 0
-    key = _layout_for(function_id, flat, spec, tensors)
+        return _output_nodes(_box(_run_as_traced(function_id, site, amp, flat, spec))), 0
+    key = _layout_for(function_id, flat, spec, tensors, amp)
     layout = _layouts[key]
     functional, mutating, take = _ops()
     if layout.mutated:
@@ -322,16 +330,28 @@ def _apply(
     return _output_nodes(_box(_rebuild(layout.out_leaves, outs, layout.out_spec))), 0
 
 
-def _run_as_traced(function_id: int, site: str, flat: list[Any], spec: pytree.TreeSpec) -> Any:
+def _run_as_traced(
+    function_id: int, site: str, amp: tuple[Any, ...] | None, flat: list[Any], spec: pytree.TreeSpec
+) -> Any:
     """Not a trace: a backend that runs dynamo's graph as it is (backend="eager") calls _apply
     on the real tensors at every call. The call is just the call, its output checked against
     the traced one (the graph after it uses the traced non-tensor values)."""
     function, _, name = _registered(function_id)
     args, kwargs = pytree.tree_unflatten(flat, spec)
-    out = function(*args, **kwargs)
+    with _autocast(amp):
+        out = function(*args, **kwargs)
     got, got_spec = pytree.tree_flatten(out)
     _check_output(name, got, got_spec, _layout(_sites.get(site, site)))
     return out
+
+
+def _autocast(amp: tuple[Any, ...] | None) -> contextlib.AbstractContextManager[None]:
+    """The traced call's autocast state (``modes.autocast_state``), entered where it is not
+    the current one: compiled code runs without it, and a break run in float32 under a
+    bfloat16 autocast returned another dtype and other values than eager's."""
+    if amp == autocast_state():
+        return contextlib.nullcontext()
+    return entered((torch.is_inference_mode_enabled(), amp))
 
 
 def _concrete(x: Any) -> Any:
@@ -376,16 +396,20 @@ def _unfakeable(name: str, exc: Exception) -> Exception:
 
 
 def _layout_for(
-    function_id: int, flat: list[Any], spec: pytree.TreeSpec, tensors: list[torch.Tensor]
+    function_id: int,
+    flat: list[Any],
+    spec: pytree.TreeSpec,
+    tensors: list[torch.Tensor],
+    amp: tuple[Any, ...] | None,
 ) -> str:
     """A new layout for this traced call (one per trace: its output may depend on the traced
     shapes, and its symbolic values belong to that trace's shape environment)."""
     leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat]
-    mutated = _written_tensors(function_id, flat, spec, tensors)
+    mutated = _written_tensors(function_id, flat, spec, tensors, amp)
     _refuse_overlaps(function_id, tensors, mutated)
     with _lock:
         key = f"{_NONCE}:{next(_layout_ids)}"
-        _layouts[key] = _Layout(function_id, spec, leaves, mutated)
+        _layouts[key] = _Layout(function_id, spec, leaves, mutated, amp)
     return key
 
 
@@ -410,7 +434,11 @@ def _refuse_overlaps(fid: int, tensors: list[torch.Tensor], mutated: tuple[int, 
 
 
 def _written_tensors(
-    function_id: int, flat: list[Any], spec: pytree.TreeSpec, tensors: list[torch.Tensor]
+    function_id: int,
+    flat: list[Any],
+    spec: pytree.TreeSpec,
+    tensors: list[torch.Tensor],
+    amp: tuple[Any, ...] | None,
 ) -> tuple[int, ...]:
     """Which of the call's tensors the fake function writes into: a dry run on fake copies
     (made in the tracing fake mode), comparing version counters."""
@@ -428,7 +456,8 @@ def _written_tensors(
         [next(it) if isinstance(x, torch.Tensor) else x for x in flat], spec
     )
     try:
-        out = fake(*args, **kwargs)
+        with _autocast(amp):
+            out = fake(*args, **kwargs)
     except Exception as exc:
         raise _unfakeable(name, exc) from exc
     if torch.is_grad_enabled() and any(t.requires_grad for t in _trees.tensor_leaves(out)):
@@ -549,7 +578,8 @@ def _real(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
     layout = _layout(key)
     function, _, name = _registered(layout.function)
     args, kwargs = _call_args(layout, mutated, rest)
-    box = [function(*args, **kwargs)]  # held nowhere else: _made_by_call counts references
+    with _autocast(layout.amp):
+        box = [function(*args, **kwargs)]  # held nowhere else: _made_by_call counts references
     made = _made_by_call(box)
     flat, spec = _fresh_outputs(box.pop(), [*mutated, *rest], name, made)
     _check_output(name, flat, spec, layout)
@@ -587,7 +617,9 @@ def _fake(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
     layout = _layout(key)
     _, fake, _ = _registered(layout.function)
     args, kwargs = _call_args(layout, mutated, rest)
-    flat, spec = _fresh_outputs(fake(*args, **kwargs), [*mutated, *rest])
+    with _autocast(layout.amp):
+        result = fake(*args, **kwargs)
+    flat, spec = _fresh_outputs(result, [*mutated, *rest])
     leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat]
     tensors = [_as_fake(x) for x in flat if isinstance(x, torch.Tensor)]
     with _lock:
