@@ -13,8 +13,15 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
+import torch._dynamo.testing
 
-from bcg_core import eager_on_graph
+from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    break_graph,
+    eager_on_graph,
+    enable_breakable_cuda_graph,
+)
 
 
 @eager_on_graph(name="cr.scale_into")
@@ -125,3 +132,41 @@ def test_a_compiled_break_runs_under_the_callers_autocast(where: str) -> None:
         got, want = compiled(x), fn(x)
     assert got.dtype == want.dtype == torch.bfloat16
     assert torch.equal(got, want)
+
+
+@eager_on_graph(name="cr.inner")
+def _inner(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@eager_on_graph(name="cr.outer")
+def _outer(x: torch.Tensor) -> torch.Tensor:
+    return _inner(x) * 2  # a break that calls another: one break, the inner a plain call
+
+
+def _calls_outer(x: torch.Tensor) -> torch.Tensor:
+    y = _outer(x.sin()) + 1
+    break_graph()
+    return y.cos()
+
+
+def test_a_compiled_break_calling_a_break_is_captured_and_replays_right() -> None:
+    # Under the CPU recorder dynamo skips the compiled frame, but it compiled the frames
+    # entered inside the break (bcg's own and the break's body), deferring the capture's
+    # "in a break" mark past the inner call: the capture failed an internal assertion
+    # ("end_segment() outside a segment").
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_calls_outer, backend=counter)
+    x = torch.randn(3)
+    assert torch.equal(compiled(x), _calls_outer(x))  # warm-up: compiles
+    compiled_frames = counter.frame_count
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        static = compiled(x)
+    assert graph.break_names == ("cr.outer",) and graph.num_segments == 3
+    assert counter.frame_count == compiled_frames  # nothing of bcg's (63 frames) compiled
+    for _ in range(2):
+        x.copy_(torch.randn(3))
+        graph.replay()
+        assert torch.equal(static, _calls_outer(x))
