@@ -18,6 +18,7 @@ import torch._dynamo.testing
 from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
+    BreakOutputError,
     break_graph,
     eager_on_graph,
     enable_breakable_cuda_graph,
@@ -170,3 +171,30 @@ def test_a_compiled_break_calling_a_break_is_captured_and_replays_right() -> Non
         x.copy_(torch.randn(3))
         graph.replay()
         assert torch.equal(static, _calls_outer(x))
+
+
+def _float_stub(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.float32)
+
+
+@eager_on_graph(name="cr.widened", capture_stub=_float_stub)
+def _widened(x: torch.Tensor) -> torch.Tensor:
+    return x.double() * 3  # the stub says float32
+
+
+@eager_on_graph(name="cr.positives", capture_stub=lambda x: torch.empty_like(x))
+def _positives(x: torch.Tensor) -> torch.Tensor:
+    return x[x > 0] * 3  # the stub says the input's shape
+
+
+@pytest.mark.parametrize("brk", [_widened, _positives], ids=["dtype", "shape"])
+@pytest.mark.parametrize("backend", ["aot_eager", "eager"])
+def test_a_compiled_break_output_unlike_its_stub_is_refused_by_name(brk: Any, backend: str) -> None:
+    # The compiled code after the op is built for the stub's dtype and shape: inductor read
+    # the float64 output's memory as float32 (4, 7, -2, 10 came back as 48, 96, -3, 9), and
+    # the other backends computed with an output of another dtype or shape than traced.
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: brk(x) + 1, backend=backend, fullgraph=True)
+    name = "cr.widened" if brk is _widened else "cr.positives"
+    with pytest.raises(BreakOutputError, match=rf"{name}.*capture_stub"):
+        compiled(torch.tensor([1.0, 2.0, -1.0, 3.0]))

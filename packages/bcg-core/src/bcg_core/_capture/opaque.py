@@ -81,9 +81,16 @@ class _Layout:
     out_leaves: list[Any] = field(default_factory=list)
     # Per tensor output, the strides compiled code after the op assumes (None: none known).
     out_strides: list[_Strides | None] = field(default_factory=list)
+    # Per tensor output, the traced dtype, device and shape (None for a symbolic size).
+    out_meta: list[_Meta] = field(default_factory=list)
 
 
 _TENSOR = object()
+_Meta = tuple[torch.dtype, torch.device, tuple[int | None, ...]]
+
+
+def _meta(t: torch.Tensor) -> _Meta:
+    return t.dtype, t.device, tuple(d if type(d) is int else None for d in t.shape)
 
 
 class _Registered:
@@ -603,14 +610,40 @@ def _check_output(name: str, flat: list[Any], spec: pytree.TreeSpec, layout: _La
             f"break {name!r} returned {spec} at run time, but {layout.out_spec} when "
             "torch.compile traced it: a compiled break must return one structure"
         )
+    metas = iter(layout.out_meta)
     for i, (got, want) in enumerate(zip(flat, layout.out_leaves, strict=True)):
-        if type(want) in PLAIN_VALUES and not same_value(got, want):
+        if want is _TENSOR:
+            _check_tensor(name, i, got, next(metas))
+        elif type(want) in PLAIN_VALUES and not same_value(got, want):
             raise BreakOutputError(
                 f"break {name!r} returned {got!r} at run time as output leaf {i}, but {want!r} "
                 "when torch.compile traced it, and the compiled code after it uses the traced "
                 "value. Return the value as a tensor, or make it a value the call's arguments "
                 "decide (dynamo guards on those and recompiles)."
             )
+
+
+def _check_tensor(name: str, i: int, got: Any, want: _Meta) -> None:
+    """Raise BreakOutputError where a run-time tensor output differs from the traced one in
+    dtype, device or a concrete size: the compiled code after the op is built for the traced
+    ones (inductor read a float64 output's memory as float32, silently)."""
+    dtype, device, shape = want
+    if isinstance(got, torch.Tensor):
+        if (got.dtype, got.device, got.dim()) == (dtype, device, len(shape)) and all(
+            w in (None, g) for g, w in zip(got.shape, shape, strict=True)
+        ):
+            return
+        what = f"a {got.dtype} tensor of shape {tuple(got.shape)} on {got.device}"
+    else:
+        what = repr(got)
+    sizes = tuple("*" if d is None else d for d in shape)
+    raise BreakOutputError(
+        f"break {name!r} returned {what} at run time as output leaf {i}, but a {dtype} "
+        f"tensor of shape {sizes} on {device} when torch.compile traced it (its capture_stub's "
+        "output, or the function's on fake tensors), and the compiled code after it is built "
+        "for the traced one. Make the capture_stub return the dtypes and shapes the function "
+        "returns."
+    )
 
 
 def _fake(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> list[torch.Tensor]:
@@ -626,6 +659,7 @@ def _fake(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
         if layout.out_spec is None:
             layout.out_spec, layout.out_leaves = spec, leaves
             layout.out_strides = [_Strides.of(t) for t in tensors]
+            layout.out_meta = [_meta(t) for t in tensors]
     return tensors
 
 
