@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -188,7 +189,8 @@ def eager_on_graph(
                 return call_eagerly(args, kwargs)
             if state.in_break or not enable:
                 return f(*args, **kwargs)
-            return state.record_break(f, capture_stub, strict, break_name, args, kwargs)
+            record = _record_undynamo if "torch._dynamo" in sys.modules else _record
+            return record(state, f, capture_stub, strict, break_name, args, kwargs)
 
         # The opaque op's real implementation is the wrapper itself (not compiling then).
         opaque_id = opaque.register(wrapper, capture_stub or f, break_name, weak=True)
@@ -231,12 +233,28 @@ def _refuse_lazy_body(f: Callable[..., Any], subject: str) -> None:
         )
 
 
+def _record(state: Any, *call: Any) -> Any:
+    return state.record_break(*call)
+
+
+def _split_state(state: Any) -> None:
+    state.split()
+
+
 def _split() -> None:
     state = active_capture()
     if state is not None:
-        state.split()
+        (_split_undynamo if "torch._dynamo" in sys.modules else _split_state)(state)
 
 
+# The capture's own work at a break or split (segments ended and begun, the break run and
+# bridged) runs without dynamo. Under the CPU backend's recorder dynamo skips a compiled
+# function's frame, but it compiled the frames entered where the recorder is off (bcg's own and
+# a break's body, unlike at replay) and deferred their side effects: a break calling a break
+# found the capture not yet marked in a break and failed an internal assertion. (Chosen only
+# once dynamo is imported: before, nothing compiles, and torch's wrapper would import it.)
+_record_undynamo = torch._disable_dynamo(_record, recursive=True)  # type: ignore[attr-defined]
+_split_undynamo = torch._disable_dynamo(_split_state, recursive=True)  # type: ignore[attr-defined]
 _compiled_split = torch._disable_dynamo(  # type: ignore[attr-defined]
     _split, recursive=True
 )

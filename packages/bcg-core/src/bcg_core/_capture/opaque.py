@@ -29,6 +29,7 @@ against the layout the site's trace made, as the op's real implementation does.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -47,6 +48,7 @@ import torch.utils._pytree as pytree  # noqa: PLC2701
 
 from bcg_core import _trees
 from bcg_core._capture import owned
+from bcg_core._capture.modes import autocast_state, entered
 from bcg_core._errors import BreakOutputError
 from bcg_core._once import first_time
 from bcg_core._trees import PLAIN_VALUES, same_value
@@ -74,13 +76,21 @@ class _Layout:
     spec: pytree.TreeSpec
     leaves: list[Any]  # the non-tensor leaves; tensor positions hold _TENSOR
     mutated: tuple[int, ...]  # indices among the call's tensors that the function writes into
+    amp: tuple[Any, ...] | None  # the autocast state the call was traced under (modes.py)
     out_spec: pytree.TreeSpec | None = None
     out_leaves: list[Any] = field(default_factory=list)
     # Per tensor output, the strides compiled code after the op assumes (None: none known).
     out_strides: list[_Strides | None] = field(default_factory=list)
+    # Per tensor output, the traced dtype, device and shape (None for a symbolic size).
+    out_meta: list[_Meta] = field(default_factory=list)
 
 
 _TENSOR = object()
+_Meta = tuple[torch.dtype, torch.device, tuple[int | None, ...]]
+
+
+def _meta(t: torch.Tensor) -> _Meta:
+    return t.dtype, t.device, tuple(d if type(d) is int else None for d in t.shape)
 
 
 class _Registered:
@@ -204,13 +214,30 @@ class _Named:
         self.cls, self.values = cls, values
 
 
-def _named_nodes(tree: Any) -> Any:
-    """``tree`` with every named tuple in it made a :class:`_Named` (real Python, not traced)."""
+class _Constant:
+    """A plain value of an op's output that dynamo refuses as the nonstrict call's output (a
+    string, a dtype, a device: fullgraph=True failed with "Unsupported output type"): a node
+    without children that keeps the value in its context, a constant of the traced output's
+    spec, and rebuilds it as the value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+# The output leaves dynamo takes as they are (None is boxed, see _NONE).
+_OUTPUT_TYPES = (torch.Tensor, int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _output_nodes(tree: Any) -> Any:
+    """``tree`` with every named tuple in it made a :class:`_Named`, and every leaf of another
+    type than :data:`_OUTPUT_TYPES` a :class:`_Constant` (real Python, not traced)."""
 
     def node(x: Any) -> Any:
         if pytree.is_namedtuple_instance(x):
-            return _Named(type(x), [_named_nodes(v) for v in x])
-        return x
+            return _Named(type(x), [_output_nodes(v) for v in x])
+        return x if isinstance(x, _OUTPUT_TYPES) else _Constant(x)
 
     return pytree.tree_map(node, tree, is_leaf=pytree.is_namedtuple_instance)
 
@@ -232,6 +259,12 @@ pytree.register_pytree_node(
     _named_unflatten,
     serialized_type_name="bcg_core._capture.opaque._Named",
 )
+pytree.register_pytree_node(
+    _Constant,
+    lambda node: ([], node.value),
+    lambda _, value: value,
+    serialized_type_name="bcg_core._capture.opaque._Constant",
+)
 
 
 def call(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -241,8 +274,12 @@ def call(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
 
     boxed_args, boxed_kwargs = _box((args, kwargs))
     site = _new_site() + ""  # a value without the source dynamo gives a call's result
+    # Compiled code runs without autocast's state (its casts are in the graph), so the break
+    # gets the traced one (constant here; dynamo guards on the state around the frame).
+    amp = _box(autocast_state())
     # The second element keeps the traced output non-empty (dynamo refuses an empty one).
-    out = torch._dynamo.nonstrict_trace(_apply)(function_id, site, boxed_args, boxed_kwargs)[0]
+    out = torch._dynamo.nonstrict_trace(_apply)(function_id, site, amp, boxed_args, boxed_kwargs)
+    out = out[0]
     return _unbox_output(out)
 
 
@@ -264,7 +301,7 @@ _new_site._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _apply(
-    function_id: int, site: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    function_id: int, site: str, amp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, int]:
     """Run at trace time (dynamo's fake pass, then AOTAutograd's): the op call, traced."""
     if torch.compiler.is_dynamo_compiling():  # True only in code dynamo traces symbolically
@@ -276,12 +313,13 @@ def _apply(
     # A break passed into the compiled frame (an argument, a closure) has its id read from
     # there, which dynamic=True makes a SymInt: guarded to its value, as any number is here.
     function_id = _concrete(function_id)
+    amp = _unbox(amp)
     flat, spec = pytree.tree_flatten(_unbox((args, kwargs)))
     flat = [_concrete(x) for x in flat]
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     if torch._guards.detect_fake_mode(tensors) is None:
-        return _named_nodes(_box(_run_as_traced(function_id, site, flat, spec))), 0
-    key = _layout_for(function_id, flat, spec, tensors)
+        return _output_nodes(_box(_run_as_traced(function_id, site, amp, flat, spec))), 0
+    key = _layout_for(function_id, flat, spec, tensors, amp)
     layout = _layouts[key]
     functional, mutating, take = _ops()
     if layout.mutated:
@@ -296,19 +334,31 @@ def _apply(
     assert layout.out_spec is not None  # set by the fake implementation the call just ran
     with _lock:
         _sites[site] = key
-    return _named_nodes(_box(_rebuild(layout.out_leaves, outs, layout.out_spec))), 0
+    return _output_nodes(_box(_rebuild(layout.out_leaves, outs, layout.out_spec))), 0
 
 
-def _run_as_traced(function_id: int, site: str, flat: list[Any], spec: pytree.TreeSpec) -> Any:
+def _run_as_traced(
+    function_id: int, site: str, amp: tuple[Any, ...] | None, flat: list[Any], spec: pytree.TreeSpec
+) -> Any:
     """Not a trace: a backend that runs dynamo's graph as it is (backend="eager") calls _apply
     on the real tensors at every call. The call is just the call, its output checked against
     the traced one (the graph after it uses the traced non-tensor values)."""
     function, _, name = _registered(function_id)
     args, kwargs = pytree.tree_unflatten(flat, spec)
-    out = function(*args, **kwargs)
+    with _autocast(amp):
+        out = function(*args, **kwargs)
     got, got_spec = pytree.tree_flatten(out)
     _check_output(name, got, got_spec, _layout(_sites.get(site, site)))
     return out
+
+
+def _autocast(amp: tuple[Any, ...] | None) -> contextlib.AbstractContextManager[None]:
+    """The traced call's autocast state (``modes.autocast_state``), entered where it is not
+    the current one: compiled code runs without it, and a break run in float32 under a
+    bfloat16 autocast returned another dtype and other values than eager's."""
+    if amp == autocast_state():
+        return contextlib.nullcontext()
+    return entered((torch.is_inference_mode_enabled(), amp))
 
 
 def _concrete(x: Any) -> Any:
@@ -353,16 +403,20 @@ def _unfakeable(name: str, exc: Exception) -> Exception:
 
 
 def _layout_for(
-    function_id: int, flat: list[Any], spec: pytree.TreeSpec, tensors: list[torch.Tensor]
+    function_id: int,
+    flat: list[Any],
+    spec: pytree.TreeSpec,
+    tensors: list[torch.Tensor],
+    amp: tuple[Any, ...] | None,
 ) -> str:
     """A new layout for this traced call (one per trace: its output may depend on the traced
     shapes, and its symbolic values belong to that trace's shape environment)."""
     leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat]
-    mutated = _written_tensors(function_id, flat, spec, tensors)
+    mutated = _written_tensors(function_id, flat, spec, tensors, amp)
     _refuse_overlaps(function_id, tensors, mutated)
     with _lock:
         key = f"{_NONCE}:{next(_layout_ids)}"
-        _layouts[key] = _Layout(function_id, spec, leaves, mutated)
+        _layouts[key] = _Layout(function_id, spec, leaves, mutated, amp)
     return key
 
 
@@ -387,23 +441,44 @@ def _refuse_overlaps(fid: int, tensors: list[torch.Tensor], mutated: tuple[int, 
 
 
 def _written_tensors(
-    function_id: int, flat: list[Any], spec: pytree.TreeSpec, tensors: list[torch.Tensor]
+    function_id: int,
+    flat: list[Any],
+    spec: pytree.TreeSpec,
+    tensors: list[torch.Tensor],
+    amp: tuple[Any, ...] | None,
 ) -> tuple[int, ...]:
     """Which of the call's tensors the fake function writes into: a dry run on fake copies
     (made in the tracing fake mode), comparing version counters."""
     _, fake, name = _registered(function_id)
-    copies = [
-        torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in tensors
-    ]
+    # Normal tensors even in inference mode: an inference tensor has no version counter
+    # (a call traced under torch.inference_mode() failed with torch's raw error).
+    with torch.inference_mode(False):
+        copies = [
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            for t in tensors
+        ]
     versions = [c._version for c in copies]
     it = iter(copies)
     args, kwargs = pytree.tree_unflatten(
         [next(it) if isinstance(x, torch.Tensor) else x for x in flat], spec
     )
     try:
-        fake(*args, **kwargs)
+        with _autocast(amp):
+            out = fake(*args, **kwargs)
     except Exception as exc:
         raise _unfakeable(name, exc) from exc
+    if torch.is_grad_enabled() and any(t.requires_grad for t in _trees.tensor_leaves(out)):
+        # The op has no backward: its output would require no grad, and the parameter the
+        # break uses got no gradient, silently (or backward() failed).
+        raise _refusal(
+            name,
+            f"bcg: break {name!r} returns a tensor that requires grad (it uses a parameter, or "
+            "another tensor that requires grad, that it does not take as an argument); a "
+            "compiled break is an op without a backward, so in grad mode this call is a dynamo "
+            "graph break and autograd runs through the eager break (fullgraph=True fails). "
+            "Under torch.no_grad() it is one opaque op.",
+            TypeError,
+        )
     return tuple(
         i for i, (c, v) in enumerate(zip(copies, versions, strict=True)) if c._version != v
     )
@@ -510,7 +585,8 @@ def _real(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
     layout = _layout(key)
     function, _, name = _registered(layout.function)
     args, kwargs = _call_args(layout, mutated, rest)
-    box = [function(*args, **kwargs)]  # held nowhere else: _made_by_call counts references
+    with _autocast(layout.amp):
+        box = [function(*args, **kwargs)]  # held nowhere else: _made_by_call counts references
     made = _made_by_call(box)
     flat, spec = _fresh_outputs(box.pop(), [*mutated, *rest], name, made)
     _check_output(name, flat, spec, layout)
@@ -534,8 +610,11 @@ def _check_output(name: str, flat: list[Any], spec: pytree.TreeSpec, layout: _La
             f"break {name!r} returned {spec} at run time, but {layout.out_spec} when "
             "torch.compile traced it: a compiled break must return one structure"
         )
+    metas = iter(layout.out_meta)
     for i, (got, want) in enumerate(zip(flat, layout.out_leaves, strict=True)):
-        if type(want) in PLAIN_VALUES and not same_value(got, want):
+        if want is _TENSOR:
+            _check_tensor(name, i, got, next(metas))
+        elif type(want) in PLAIN_VALUES and not same_value(got, want):
             raise BreakOutputError(
                 f"break {name!r} returned {got!r} at run time as output leaf {i}, but {want!r} "
                 "when torch.compile traced it, and the compiled code after it uses the traced "
@@ -544,17 +623,43 @@ def _check_output(name: str, flat: list[Any], spec: pytree.TreeSpec, layout: _La
             )
 
 
+def _check_tensor(name: str, i: int, got: Any, want: _Meta) -> None:
+    """Raise BreakOutputError where a run-time tensor output differs from the traced one in
+    dtype, device or a concrete size: the compiled code after the op is built for the traced
+    ones (inductor read a float64 output's memory as float32, silently)."""
+    dtype, device, shape = want
+    if isinstance(got, torch.Tensor):
+        if (got.dtype, got.device, got.dim()) == (dtype, device, len(shape)) and all(
+            w in (None, g) for g, w in zip(got.shape, shape, strict=True)
+        ):
+            return
+        what = f"a {got.dtype} tensor of shape {tuple(got.shape)} on {got.device}"
+    else:
+        what = repr(got)
+    sizes = tuple("*" if d is None else d for d in shape)
+    raise BreakOutputError(
+        f"break {name!r} returned {what} at run time as output leaf {i}, but a {dtype} "
+        f"tensor of shape {sizes} on {device} when torch.compile traced it (its capture_stub's "
+        "output, or the function's on fake tensors), and the compiled code after it is built "
+        "for the traced one. Make the capture_stub return the dtypes and shapes the function "
+        "returns."
+    )
+
+
 def _fake(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     layout = _layout(key)
     _, fake, _ = _registered(layout.function)
     args, kwargs = _call_args(layout, mutated, rest)
-    flat, spec = _fresh_outputs(fake(*args, **kwargs), [*mutated, *rest])
+    with _autocast(layout.amp):
+        result = fake(*args, **kwargs)
+    flat, spec = _fresh_outputs(result, [*mutated, *rest])
     leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat]
     tensors = [_as_fake(x) for x in flat if isinstance(x, torch.Tensor)]
     with _lock:
         if layout.out_spec is None:
             layout.out_spec, layout.out_leaves = spec, leaves
             layout.out_strides = [_Strides.of(t) for t in tensors]
+            layout.out_meta = [_meta(t) for t in tensors]
     return tensors
 
 
