@@ -571,10 +571,11 @@ def _breakable_paged(function: Callable[..., Any], name: str) -> Callable[..., A
         value: Any,
         io: Any,
         varlen: bool,
+        layer_type: str | None,
         kwargs: dict[str, Any],
     ) -> Any:
         tokens = int(io.total_seqlen_q)
-        mask, read_index, write_index = _eager_arguments(io, tokens)
+        mask, read_index, write_index = _eager_arguments(io, tokens, layer_type)
         q, k, v = query[:, :, :tokens], key[:, :, :tokens], value[:, :, :tokens]
         if varlen:
             out = _varlen_attention(module, q, k, v, io, read_index, write_index, kwargs)
@@ -601,11 +602,14 @@ def _breakable_paged(function: Callable[..., Any], name: str) -> Callable[..., A
         io, varlen = live
         for replaced in ("cache", "read_index", "write_index"):
             kwargs.pop(replaced, None)
+        # Which of the batch's masks the model gave this layer (a model with sliding and full
+        # layers has one per layer type): the break rebuilds that one at its true size.
+        args = (module, query, key, value, io, varlen, _layer_type(io, mask), kwargs)
         if not is_in_breakable_cuda_graph():
             # A batch run eagerly (a bucket's first batches, graphs disabled, a failed capture)
             # computes what a replay computes: the same kernel on the batch's true tokens.
-            return paged_attention_break(module, query, key, value, io, varlen, kwargs), None
-        return as_break(module, query, key, value, io, varlen, kwargs), None
+            return paged_attention_break(*args), None
+        return as_break(*args), None
 
     attention.__name__ = attention.__qualname__ = getattr(function, "__name__", "attention")
     attention.__doc__ = function.__doc__
@@ -616,19 +620,34 @@ def _breakable_paged(function: Callable[..., Any], name: str) -> Callable[..., A
 _WRAP_PAGED = {name: functools.partial(_breakable_paged, name=name) for name in _ATTENTION}
 
 
-def _eager_arguments(io: Any, tokens: int) -> tuple[Any, list[Any], list[Any]]:
-    """The mask and cache indices the eager engine (no padding) passes for the batch ``io``
-    holds: ``ContinuousBatchingIOs.get_model_kwargs(use_padding=False)`` for ``tokens`` query
-    tokens, read from the same static storage."""
+def _layer_type(io: Any, mask: Any) -> str | None:
+    """The layer type (``"full_attention"``, ``"sliding_attention"``) whose mask of the batch
+    ``io`` holds ``mask`` views: the one the model picked for the layer; None without masks."""
+    if io.attention_mask is None:
+        return None
+    if isinstance(mask, torch.Tensor):
+        storage = mask.untyped_storage().data_ptr()
+        for layer_type, full in io.attention_mask.items():
+            if full.untyped_storage().data_ptr() == storage:
+                return str(layer_type)
+    raise RuntimeError(
+        "bcg continuous batching: the paged attention was given a mask that is none of the "
+        f"engine's masks ({', '.join(io.attention_mask)}); run this model's engine without bcg"
+    )
+
+
+def _eager_arguments(
+    io: Any, tokens: int, layer_type: str | None
+) -> tuple[Any, list[Any], list[Any]]:
+    """The mask and cache indices the eager engine (no padding) passes to a layer of
+    ``layer_type`` for the batch ``io`` holds: ``ContinuousBatchingIOs.get_model_kwargs(
+    use_padding=False)`` for ``tokens`` query tokens, read from the same static storage."""
     groups = range(io.cache.num_groups)
     write_index = [io.write_index_storage[g, : io.true_write_sizes[g]] for g in groups]
     read_index = _read_index(io)
-    if io.attention_mask is None:
+    if layer_type is None:
         return None, read_index, write_index
-    masks = {
-        layer: m[..., :tokens, : io.total_seqlen_k[layer]] for layer, m in io.attention_mask.items()
-    }
-    mask: Any = next(iter(masks.values())) if len(masks) == 1 else masks
+    mask = io.attention_mask[layer_type][..., :tokens, : io.total_seqlen_k[layer_type]]
     return mask, read_index, write_index
 
 

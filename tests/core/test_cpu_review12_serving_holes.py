@@ -1,0 +1,67 @@
+"""Serving holes (review 12), on the CPU graph backend: transformers' continuous batching and
+the runner as an engine uses it. Tiny models with random weights built from configs, float32;
+the model, prompts, configs and the one stub (the engine's free-memory query) are those of
+``test_cpu_continuous_batching.py``.
+
+- A model with sliding and full layers (Gemma 2, or any ``layer_types`` mix) has one mask per
+  layer type: the break handed every layer the dict of both, and sdpa raised ``attn_mask must
+  be Tensor, not dict`` in the engine's thread, failing every request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import bcg_core
+
+transformers = pytest.importorskip(
+    "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
+)
+from test_cpu_continuous_batching import (  # noqa: E402
+    NEW_TOKENS,
+    PROMPT_LENGTHS,
+    _cpu_memory,  # noqa: F401, PLC2701 (the autouse fixture: the free-memory query)
+    configs,
+    prompts,
+)
+
+
+def sliding_model() -> Any:
+    """A tiny Gemma 2: a sliding-window layer (window 8) then a full one."""
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        sliding_window=8,
+    )  # fmt: skip
+    assert config.layer_types == ["sliding_attention", "full_attention"]
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def generate(model: Any) -> list[list[int]]:
+    """``generate_batch``'s greedy tokens, in prompt order (a failed request has none)."""
+    gen, cb = configs()
+    out = model.generate_batch(prompts(), generation_config=gen, continuous_batching_config=cb)
+    return [list(out[f"req_{i}"].generated_tokens) for i in range(len(PROMPT_LENGTHS))]
+
+
+# -- continuous batching: a model with sliding and full layers ----------------------------------
+
+
+def test_a_model_with_sliding_and_full_layers_gives_each_layer_its_mask() -> None:
+    """Each layer's break gets its own layer type's mask at the batch's true size, as the eager
+    engine gives it (``capture_after=0``: every batch is a capture or a replay); tokens equal
+    eager's."""
+    model = sliding_model()
+    eager = generate(model)
+    assert [len(tokens) for tokens in eager] == [NEW_TOKENS] * len(PROMPT_LENGTHS)
+    with bcg_core.enable_continuous_batching(model, capture_after=0) as handle:
+        graphed = generate(model)
+        stats = handle.stats()
+    assert graphed == eager
+    assert stats.graphs >= 2 and stats.replays > 0 and stats.eager_calls == 0
