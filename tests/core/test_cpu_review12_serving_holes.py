@@ -6,6 +6,9 @@ the model, prompts, configs and the one stub (the engine's free-memory query) ar
 - A model with sliding and full layers (Gemma 2, or any ``layer_types`` mix) has one mask per
   layer type: the break handed every layer the dict of both, and sdpa raised ``attn_mask must
   be Tensor, not dict`` in the engine's thread, failing every request.
+- A bucket captured on a live batch runs the step on it more than once (warm-up, capture, an
+  eager run if the capture fails); a sliding layer's cache update overwrites window rows it
+  has just read, so every run after the first read the previous run's keys.
 """
 
 from __future__ import annotations
@@ -65,3 +68,32 @@ def test_a_model_with_sliding_and_full_layers_gives_each_layer_its_mask() -> Non
         stats = handle.stats()
     assert graphed == eager
     assert stats.graphs >= 2 and stats.replays > 0 and stats.eager_calls == 0
+
+
+def test_a_sliding_window_batch_captured_live_equals_eager() -> None:
+    """A bucket captured on its recurring batch (``capture_after=1``, the default) runs the step
+    on that live batch twice (warm-up, capture); a sliding layer's cache update reads window rows
+    before writing over them, so the capture read what its warm-up wrote: that batch's logits
+    and the cache rows later layers wrote went wrong (a request's tokens parted from eager's).
+    bcg puts back the rows the batch writes after each warm-up."""
+    model = sliding_model()
+    eager = generate(model)
+    with bcg_core.enable_continuous_batching(model) as handle:
+        graphed = generate(model)
+        stats = handle.stats()
+    assert graphed == eager
+    assert stats.graphs >= 2 and stats.first_batches > 0 and stats.eager_calls == 0
+
+
+def test_a_live_batch_whose_capture_fails_runs_eagerly_on_its_cache() -> None:
+    """A capture that fails on a live batch (a host read in a forward hook) serves the batch
+    eagerly, after the warm-up and the capture ran the step on it: that eager run starts from
+    the cache as it was, and tokens equal eager's."""
+    model = sliding_model()
+    eager = generate(model)
+    model.model.norm.register_forward_hook(lambda m, args, out: out.sum().item() and None)
+    with bcg_core.enable_continuous_batching(model) as handle:
+        graphed = generate(model)
+        stats = handle.stats()
+    assert graphed == eager
+    assert stats.graphs == 0 and stats.eager_calls > 0

@@ -35,6 +35,7 @@ from typing import Any, Literal
 import torch
 
 from bcg_core._capture.breaks import eager_on_graph
+from bcg_core._capture.context import is_breakable_capture_active
 from bcg_core._capture.flag import (
     bcg_disabled_by_env,
     breakable_graphs_disabled,
@@ -171,7 +172,8 @@ def enable_continuous_batching(
 
     Args:
         model: a transformers ``PreTrainedModel`` whose attention is ``sdpa`` or ``eager``
-            (tested with full-attention Llama models).
+            (tested with full-attention Llama models and a Gemma 2 of sliding and full
+            layers).
         attention: what the break computes. ``"paged"``: transformers' own paged function
             (``paged|sdpa`` over its 4D mask of the packed batch, or ``paged|eager``), so
             greedy tokens equal the eager engine's. ``"varlen"`` (CUDA, fp16/bf16, a torch with
@@ -476,6 +478,8 @@ class _Session:
         self.batches: dict[int, int] = {}  # bucket -> batches served before its capture
         self.warming_up = False
         self._call: tuple[Any, ...] | None = None
+        # While a live batch is captured: the cache rows it writes, as they were before it.
+        self._written: _Rows | None = None
         # This engine's own eager runs of the step (its thread alone runs them): a replay is
         # told from an eager run by it, not by the record's count, which another engine of
         # the model (another thread) may move meanwhile.
@@ -522,7 +526,15 @@ class _Session:
 
     def _capture(self, bucket: int) -> None:
         before = self.runner.stats.captures
-        self.runner.capture(bucket)
+        assert self._call is not None
+        # The capture runs the step on this batch warmup_iters + 1 times (and once more, eagerly,
+        # if it fails). A sliding-window layer's update reads rows of the window before writing
+        # over them, so each run after the first must start from the cache as it was.
+        self._written = _Rows(self._call[0].inputs_and_outputs)
+        try:
+            self.runner.capture(bucket)
+        finally:
+            self._written = None
         stats = self.runner.stats
         if stats.captures == before:
             return  # graphs disabled or the capture failed: the batch ran eagerly
@@ -541,10 +553,39 @@ class _Session:
     def _step(self, bucket: int) -> None:
         assert self._call is not None, "the step runs inside compute() only"
         tf_runner, model, batch_data, cb_kwargs = self._call
+        written = self._written
         if not is_in_breakable_cuda_graph():
             self._eager_runs += 1
             self._count("eager_calls")
+            if written is not None:  # after a capture that failed (part-way) on this batch
+                written.restore()
+        elif written is not None and not is_breakable_capture_active():
+            try:  # a warm-up: the capture, next, starts from the batch's cache
+                tf_runner._forward_process_and_sample(model, batch_data, *cb_kwargs)
+            finally:
+                written.restore()
+            return
         tf_runner._forward_process_and_sample(model, batch_data, *cb_kwargs)
+
+
+class _Rows:
+    """The paged cache rows the batch ``io`` holds writes (every layer's keys and values), as
+    they are now; :meth:`restore` puts them back."""
+
+    def __init__(self, io: Any) -> None:
+        cache = io.cache
+        rows = [
+            io.write_index_storage[g, : io.true_write_sizes[g]] for g in range(cache.num_groups)
+        ]
+        self._rows = torch.cat(rows)
+        self._saved = [
+            (layer, layer.index_select(0, self._rows))
+            for layer in (*cache.key_cache, *cache.value_cache)
+        ]
+
+    def restore(self) -> None:
+        for layer, saved in self._saved:
+            layer.index_copy_(0, self._rows, saved)
 
 
 @contextlib.contextmanager
