@@ -9,6 +9,9 @@ the model, prompts, configs and the one stub (the engine's free-memory query) ar
 - A bucket captured on a live batch runs the step on it more than once (warm-up, capture, an
   eager run if the capture fails); a sliding layer's cache update overwrites window rows it
   has just read, so every run after the first read the previous run's keys.
+- A handle removed while the engine's thread prepared a batch with bcg's padding flipped the
+  runner's padding rule back under it: the engine read the other rule for the same batch, and
+  the cache update raised ``IndexError`` (every request failed).
 """
 
 from __future__ import annotations
@@ -28,7 +31,12 @@ from test_cpu_continuous_batching import (  # noqa: E402
     PROMPT_LENGTHS,
     _cpu_memory,  # noqa: F401, PLC2701 (the autouse fixture: the free-memory query)
     configs,
+    make_model,
     prompts,
+)
+from transformers.generation.continuous_batching import model_runner  # noqa: E402
+from transformers.generation.continuous_batching.input_outputs import (  # noqa: E402
+    ContinuousBatchingIOs,
 )
 
 
@@ -97,3 +105,45 @@ def test_a_live_batch_whose_capture_fails_runs_eagerly_on_its_cache() -> None:
         stats = handle.stats()
     assert graphed == eager
     assert stats.graphs == 0 and stats.eager_calls > 0
+
+
+# -- continuous batching: a handle removed while the engine runs ------------------------------
+
+
+def test_a_handle_removed_while_a_batch_is_prepared_leaves_that_batch_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The handle is removed on the engine's thread right after it prepared a batch that bcg
+    padded (a decode batch: fewer tokens than its bucket), before its forward: that batch and
+    the rest run transformers' code, every request finishes, tokens equal eager's; the runner
+    is back on transformers' padding rule and transformers' methods are restored afterwards."""
+    model = make_model()
+    eager = generate(model)
+    compute = vars(model_runner.ModelRunner)["compute_batch"]
+    handle = bcg_core.enable_continuous_batching(model)
+    original = ContinuousBatchingIOs.prepare_batch_tensors
+    runners: list[Any] = []
+
+    def prepare(io: Any, *args: Any, **kwargs: Any) -> None:
+        original(io, *args, **kwargs)
+        if handle.active and io.num_q_tokens > io.total_seqlen_q:  # padded by bcg
+            handle.remove()
+
+    forward = model_runner.ModelRunner._forward_process_and_sample
+
+    def forward_process_and_sample(runner: Any, *args: Any, **kwargs: Any) -> None:
+        runners.append(runner)
+        forward(runner, *args, **kwargs)
+
+    monkeypatch.setattr(ContinuousBatchingIOs, "prepare_batch_tensors", prepare)
+    monkeypatch.setattr(
+        model_runner.ModelRunner, "_forward_process_and_sample", forward_process_and_sample
+    )
+    try:
+        assert generate(model) == eager
+    finally:
+        handle.remove()
+    stats = handle.stats()
+    assert stats.graphs >= 1 and stats.replays > 0  # bcg served the batches before
+    assert runners and not runners[-1].pad_inputs
+    assert vars(model_runner.ModelRunner)["compute_batch"] is compute

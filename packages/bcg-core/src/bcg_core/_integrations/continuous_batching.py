@@ -89,7 +89,8 @@ class ContinuousBatchingHandle(Removable):
     :meth:`remove` (or leaving a ``with`` block) releases this handle's reference (idempotent):
     bcg is off for the model once all its handles are removed, and transformers' code is
     restored once every handle of every model is. An engine built before and still running
-    then runs transformers' code; its graphs are kept until it is dropped, or replaced by new
+    then runs transformers' code (from the batch it is preparing, which keeps bcg's padding and
+    the patches until its forward); its graphs are kept until it is dropped, or replaced by new
     ones once the model is enabled again (that engine then reports to the new handle).
 
     Args:
@@ -132,9 +133,16 @@ class ContinuousBatchingHandle(Removable):
                 record.handles -= 1
                 if record.handles == 0:
                     del _enabled[model]
-                    # Its running engines go back to transformers' own padding rule.
+                    # Its running engines go back to transformers' own padding rule; one that
+                    # is preparing a batch with bcg's (and reads the rule again before the
+                    # forward) does at that forward, on its own thread, the patches kept
+                    # until then.
                     for session in list(_sessions.values()):
-                        if session.record is record:
+                        if session.record is not record:
+                            continue
+                        if session.preparing:
+                            session.hold_patches()
+                        else:
                             session.release()
             self._patches.remove()
 
@@ -375,14 +383,16 @@ def _bind(tf_runner: Any, model: Any, record: _Record) -> _Session:
     return session
 
 
-def _session_of(tf_runner: Any) -> _Session | None:
+def _session_of(tf_runner: Any, preparing: bool = False) -> _Session | None:
     """The session serving ``tf_runner``'s next batch: None (transformers' code) unless its model
     is enabled; rebuilt when the model was enabled again since the session was made, so the
-    batch reports to the live handles and follows their settings."""
+    batch reports to the live handles and follows their settings. ``preparing``: the engine
+    prepares a batch with the session's padding until its next call here (the forward)."""
     with _lock:
         session = _sessions.get(tf_runner)
         if session is None:
             return None
+        session.preparing = False
         model = session.model()
         record = None if model is None else _enabled.get(model)
         if record is None:
@@ -390,6 +400,7 @@ def _session_of(tf_runner: Any) -> _Session | None:
             return None
         if record is not session.record:
             session = _bind(tf_runner, model, record)
+        session.preparing = preparing
         return session
 
 
@@ -397,7 +408,7 @@ def _wrap_pad(original: Callable[..., Any]) -> Callable[..., Any]:
     def maybe_pad_inputs(
         self: Any, num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool
     ) -> tuple[int, int]:
-        if _session_of(self) is None:
+        if _session_of(self, preparing=True) is None:
             return original(self, num_q_tokens, max_kv_read, use_decode_fast_path)  # type: ignore[no-any-return]
         # The query is padded to its bucket (the graph's shape) by transformers' own rule; the KV
         # read keeps its length.
@@ -477,6 +488,10 @@ class _Session:
         self.captured: set[int] = set()
         self.batches: dict[int, int] = {}  # bucket -> batches served before its capture
         self.warming_up = False
+        # Between the engine's padding of a batch and its forward: a handle removed then leaves
+        # the runner's padding rule alone (the engine reads it again before the forward).
+        self.preparing = False
+        self._held: weakref.finalize[Any, Any] | None = None  # see hold_patches()
         self._call: tuple[Any, ...] | None = None
         # While a live batch is captured: the cache rows it writes, as they were before it.
         self._written: _Rows | None = None
@@ -490,6 +505,14 @@ class _Session:
         tf_runner = self._tf_runner()
         if tf_runner is not None:
             tf_runner.pad_inputs = self.pad_inputs
+        if self._held is not None:
+            self._held()  # the patches' reference, released once
+
+    def hold_patches(self) -> None:
+        """One reference on the patches until :meth:`release` (or this session is dropped):
+        the engine's forward of the batch it is preparing must still reach the session."""
+        if self._held is None:
+            self._held = weakref.finalize(self, _patch().remove)
 
     def compute(self, tf_runner: Any, model: Any, batch_data: dict[str, Any]) -> None:
         io = tf_runner.inputs_and_outputs
