@@ -176,7 +176,9 @@ def enable_continuous_batching(
     (``capture_after``), so a bucket met once (the tail of a prefill, say) costs neither a
     capture nor pool memory. An engine started inside :func:`bcg_core.disable_breakable_graphs`
     (``generate_batch`` there, or ``manager.start()``) runs every batch eagerly, on its own
-    thread too.
+    thread too. An engine joins bcg when it builds its batch processor (``manager.start()``
+    or ``manager.warmup()``): one already running when this is called keeps transformers'
+    code until it is started again.
 
     Args:
         model: a transformers ``PreTrainedModel`` whose attention is ``sdpa`` or ``eager``
