@@ -35,6 +35,7 @@ from typing import Any, Literal
 import torch
 
 from bcg_core._capture.breaks import eager_on_graph
+from bcg_core._capture.context import is_breakable_capture_active
 from bcg_core._capture.flag import (
     bcg_disabled_by_env,
     breakable_graphs_disabled,
@@ -88,7 +89,8 @@ class ContinuousBatchingHandle(Removable):
     :meth:`remove` (or leaving a ``with`` block) releases this handle's reference (idempotent):
     bcg is off for the model once all its handles are removed, and transformers' code is
     restored once every handle of every model is. An engine built before and still running
-    then runs transformers' code; its graphs are kept until it is dropped, or replaced by new
+    then runs transformers' code (from the batch it is preparing, which keeps bcg's padding and
+    the patches until its forward); its graphs are kept until it is dropped, or replaced by new
     ones once the model is enabled again (that engine then reports to the new handle).
 
     Args:
@@ -131,9 +133,16 @@ class ContinuousBatchingHandle(Removable):
                 record.handles -= 1
                 if record.handles == 0:
                     del _enabled[model]
-                    # Its running engines go back to transformers' own padding rule.
+                    # Its running engines go back to transformers' own padding rule; one that
+                    # is preparing a batch with bcg's (and reads the rule again before the
+                    # forward) does at that forward, on its own thread, the patches kept
+                    # until then.
                     for session in list(_sessions.values()):
-                        if session.record is record:
+                        if session.record is not record:
+                            continue
+                        if session.preparing:
+                            session.hold_patches()
+                        else:
                             session.release()
             self._patches.remove()
 
@@ -167,11 +176,14 @@ def enable_continuous_batching(
     (``capture_after``), so a bucket met once (the tail of a prefill, say) costs neither a
     capture nor pool memory. An engine started inside :func:`bcg_core.disable_breakable_graphs`
     (``generate_batch`` there, or ``manager.start()``) runs every batch eagerly, on its own
-    thread too.
+    thread too. An engine joins bcg when it builds its batch processor (``manager.start()``
+    or ``manager.warmup()``): one already running when this is called keeps transformers'
+    code until it is started again.
 
     Args:
         model: a transformers ``PreTrainedModel`` whose attention is ``sdpa`` or ``eager``
-            (tested with full-attention Llama models).
+            (tested with full-attention Llama models and a Gemma 2 of sliding and full
+            layers).
         attention: what the break computes. ``"paged"``: transformers' own paged function
             (``paged|sdpa`` over its 4D mask of the packed batch, or ``paged|eager``), so
             greedy tokens equal the eager engine's. ``"varlen"`` (CUDA, fp16/bf16, a torch with
@@ -373,14 +385,16 @@ def _bind(tf_runner: Any, model: Any, record: _Record) -> _Session:
     return session
 
 
-def _session_of(tf_runner: Any) -> _Session | None:
+def _session_of(tf_runner: Any, preparing: bool = False) -> _Session | None:
     """The session serving ``tf_runner``'s next batch: None (transformers' code) unless its model
     is enabled; rebuilt when the model was enabled again since the session was made, so the
-    batch reports to the live handles and follows their settings."""
+    batch reports to the live handles and follows their settings. ``preparing``: the engine
+    prepares a batch with the session's padding until its next call here (the forward)."""
     with _lock:
         session = _sessions.get(tf_runner)
         if session is None:
             return None
+        session.preparing = False
         model = session.model()
         record = None if model is None else _enabled.get(model)
         if record is None:
@@ -388,6 +402,7 @@ def _session_of(tf_runner: Any) -> _Session | None:
             return None
         if record is not session.record:
             session = _bind(tf_runner, model, record)
+        session.preparing = preparing
         return session
 
 
@@ -395,7 +410,7 @@ def _wrap_pad(original: Callable[..., Any]) -> Callable[..., Any]:
     def maybe_pad_inputs(
         self: Any, num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool
     ) -> tuple[int, int]:
-        if _session_of(self) is None:
+        if _session_of(self, preparing=True) is None:
             return original(self, num_q_tokens, max_kv_read, use_decode_fast_path)  # type: ignore[no-any-return]
         # The query is padded to its bucket (the graph's shape) by transformers' own rule; the KV
         # read keeps its length.
@@ -475,7 +490,13 @@ class _Session:
         self.captured: set[int] = set()
         self.batches: dict[int, int] = {}  # bucket -> batches served before its capture
         self.warming_up = False
+        # Between the engine's padding of a batch and its forward: a handle removed then leaves
+        # the runner's padding rule alone (the engine reads it again before the forward).
+        self.preparing = False
+        self._held: weakref.finalize[Any, Any] | None = None  # see hold_patches()
         self._call: tuple[Any, ...] | None = None
+        # While a live batch is captured: the cache rows it writes, as they were before it.
+        self._written: _Rows | None = None
         # This engine's own eager runs of the step (its thread alone runs them): a replay is
         # told from an eager run by it, not by the record's count, which another engine of
         # the model (another thread) may move meanwhile.
@@ -486,6 +507,14 @@ class _Session:
         tf_runner = self._tf_runner()
         if tf_runner is not None:
             tf_runner.pad_inputs = self.pad_inputs
+        if self._held is not None:
+            self._held()  # the patches' reference, released once
+
+    def hold_patches(self) -> None:
+        """One reference on the patches until :meth:`release` (or this session is dropped):
+        the engine's forward of the batch it is preparing must still reach the session."""
+        if self._held is None:
+            self._held = weakref.finalize(self, _patch().remove)
 
     def compute(self, tf_runner: Any, model: Any, batch_data: dict[str, Any]) -> None:
         io = tf_runner.inputs_and_outputs
@@ -522,7 +551,15 @@ class _Session:
 
     def _capture(self, bucket: int) -> None:
         before = self.runner.stats.captures
-        self.runner.capture(bucket)
+        assert self._call is not None
+        # The capture runs the step on this batch warmup_iters + 1 times (and once more, eagerly,
+        # if it fails). A sliding-window layer's update reads rows of the window before writing
+        # over them, so each run after the first must start from the cache as it was.
+        self._written = _Rows(self._call[0].inputs_and_outputs)
+        try:
+            self.runner.capture(bucket)
+        finally:
+            self._written = None
         stats = self.runner.stats
         if stats.captures == before:
             return  # graphs disabled or the capture failed: the batch ran eagerly
@@ -541,10 +578,39 @@ class _Session:
     def _step(self, bucket: int) -> None:
         assert self._call is not None, "the step runs inside compute() only"
         tf_runner, model, batch_data, cb_kwargs = self._call
+        written = self._written
         if not is_in_breakable_cuda_graph():
             self._eager_runs += 1
             self._count("eager_calls")
+            if written is not None:  # after a capture that failed (part-way) on this batch
+                written.restore()
+        elif written is not None and not is_breakable_capture_active():
+            try:  # a warm-up: the capture, next, starts from the batch's cache
+                tf_runner._forward_process_and_sample(model, batch_data, *cb_kwargs)
+            finally:
+                written.restore()
+            return
         tf_runner._forward_process_and_sample(model, batch_data, *cb_kwargs)
+
+
+class _Rows:
+    """The paged cache rows the batch ``io`` holds writes (every layer's keys and values), as
+    they are now; :meth:`restore` puts them back."""
+
+    def __init__(self, io: Any) -> None:
+        cache = io.cache
+        rows = [
+            io.write_index_storage[g, : io.true_write_sizes[g]] for g in range(cache.num_groups)
+        ]
+        self._rows = torch.cat(rows)
+        self._saved = [
+            (layer, layer.index_select(0, self._rows))
+            for layer in (*cache.key_cache, *cache.value_cache)
+        ]
+
+    def restore(self) -> None:
+        for layer, saved in self._saved:
+            layer.index_copy_(0, self._rows, saved)
 
 
 @contextlib.contextmanager
@@ -571,10 +637,11 @@ def _breakable_paged(function: Callable[..., Any], name: str) -> Callable[..., A
         value: Any,
         io: Any,
         varlen: bool,
+        layer_type: str | None,
         kwargs: dict[str, Any],
     ) -> Any:
         tokens = int(io.total_seqlen_q)
-        mask, read_index, write_index = _eager_arguments(io, tokens)
+        mask, read_index, write_index = _eager_arguments(io, tokens, layer_type)
         q, k, v = query[:, :, :tokens], key[:, :, :tokens], value[:, :, :tokens]
         if varlen:
             out = _varlen_attention(module, q, k, v, io, read_index, write_index, kwargs)
@@ -601,11 +668,14 @@ def _breakable_paged(function: Callable[..., Any], name: str) -> Callable[..., A
         io, varlen = live
         for replaced in ("cache", "read_index", "write_index"):
             kwargs.pop(replaced, None)
+        # Which of the batch's masks the model gave this layer (a model with sliding and full
+        # layers has one per layer type): the break rebuilds that one at its true size.
+        args = (module, query, key, value, io, varlen, _layer_type(io, mask), kwargs)
         if not is_in_breakable_cuda_graph():
             # A batch run eagerly (a bucket's first batches, graphs disabled, a failed capture)
             # computes what a replay computes: the same kernel on the batch's true tokens.
-            return paged_attention_break(module, query, key, value, io, varlen, kwargs), None
-        return as_break(module, query, key, value, io, varlen, kwargs), None
+            return paged_attention_break(*args), None
+        return as_break(*args), None
 
     attention.__name__ = attention.__qualname__ = getattr(function, "__name__", "attention")
     attention.__doc__ = function.__doc__
@@ -616,19 +686,34 @@ def _breakable_paged(function: Callable[..., Any], name: str) -> Callable[..., A
 _WRAP_PAGED = {name: functools.partial(_breakable_paged, name=name) for name in _ATTENTION}
 
 
-def _eager_arguments(io: Any, tokens: int) -> tuple[Any, list[Any], list[Any]]:
-    """The mask and cache indices the eager engine (no padding) passes for the batch ``io``
-    holds: ``ContinuousBatchingIOs.get_model_kwargs(use_padding=False)`` for ``tokens`` query
-    tokens, read from the same static storage."""
+def _layer_type(io: Any, mask: Any) -> str | None:
+    """The layer type (``"full_attention"``, ``"sliding_attention"``) whose mask of the batch
+    ``io`` holds ``mask`` views: the one the model picked for the layer; None without masks."""
+    if io.attention_mask is None:
+        return None
+    if isinstance(mask, torch.Tensor):
+        storage = mask.untyped_storage().data_ptr()
+        for layer_type, full in io.attention_mask.items():
+            if full.untyped_storage().data_ptr() == storage:
+                return str(layer_type)
+    raise RuntimeError(
+        "bcg continuous batching: the paged attention was given a mask that is none of the "
+        f"engine's masks ({', '.join(io.attention_mask)}); run this model's engine without bcg"
+    )
+
+
+def _eager_arguments(
+    io: Any, tokens: int, layer_type: str | None
+) -> tuple[Any, list[Any], list[Any]]:
+    """The mask and cache indices the eager engine (no padding) passes to a layer of
+    ``layer_type`` for the batch ``io`` holds: ``ContinuousBatchingIOs.get_model_kwargs(
+    use_padding=False)`` for ``tokens`` query tokens, read from the same static storage."""
     groups = range(io.cache.num_groups)
     write_index = [io.write_index_storage[g, : io.true_write_sizes[g]] for g in groups]
     read_index = _read_index(io)
-    if io.attention_mask is None:
+    if layer_type is None:
         return None, read_index, write_index
-    masks = {
-        layer: m[..., :tokens, : io.total_seqlen_k[layer]] for layer, m in io.attention_mask.items()
-    }
-    mask: Any = next(iter(masks.values())) if len(masks) == 1 else masks
+    mask = io.attention_mask[layer_type][..., :tokens, : io.total_seqlen_k[layer_type]]
     return mask, read_index, write_index
 
 
