@@ -240,7 +240,7 @@ class DiTRunner(BreakableGraphRunner):
 
     @contextlib.contextmanager
     def warmup(self) -> Iterator[BreakableGraphRunner]:
-        """As :meth:`bcg_core.BreakableGraphRunner.warmup`, refused for stateful hooks.
+        """As :meth:`bcg_core.BreakableGraphRunner.warmup`, refused for hooks no graph replays.
 
         ``capture`` and ``capture_many`` open one too, so they are refused alike.
 
@@ -249,18 +249,29 @@ class DiTRunner(BreakableGraphRunner):
 
         Raises:
             ValueError: the model (or a submodule) carries a stateful diffusers hook, such as
-                the caches ``enable_cache`` installs; no window is opened.
+                the caches ``enable_cache`` installs, or one that casts or moves the weights
+                at every forward (``enable_layerwise_casting``, ``enable_group_offload``); no
+                window is opened.
         """
         # Those hooks decide on the host at every step whether to recompute or reuse (PAB,
         # TaylorSeer, FasterCache...): a graph would replay the capture's decision at every step.
-        hooks = _stateful_hooks(self.module)
-        if hooks:
+        stateful, weights = _diffusers_hooks(self.module)
+        if stateful:
             raise ValueError(
                 f"bcg: {type(self.module).__name__} carries diffusers' stateful hooks "
-                f"{sorted(hooks)} (a cache from enable_cache() or apply_*): they decide at "
+                f"{sorted(stateful)} (a cache from enable_cache() or apply_*): they decide at "
                 "every step on the host, and a graph would replay the capture's decision. "
                 "Call model.disable_cache() (or remove the hooks) before capturing, or run the "
                 "model without DiTRunner"
+            )
+        if weights:
+            raise ValueError(
+                f"bcg: {type(self.module).__name__} carries diffusers' hooks {sorted(weights)} "
+                "(enable_layerwise_casting(), enable_group_offload()): they cast or move every "
+                "weight around each forward, giving it new storage, so a graph would read the "
+                "capture's copies of the weights and write them back over the model's at every "
+                "replay. Load the model without them (weights in the compute dtype, on the "
+                "device) to capture it, or run it without DiTRunner"
             )
         with super().warmup() as runner:
             yield runner
@@ -320,27 +331,42 @@ def _same_leaf(a: Any, b: Any) -> bool:
 _MAX_UNWRAP = 32
 
 
-def _stateful_hooks(model: Callable[..., Any]) -> set[str]:
-    """Names of the stateful diffusers hooks (``ModelHook._is_stateful``: the caches) on the
-    model's modules; the model is looked through wrappers as for ``return_dict`` (a bound
-    method's module too). A closure over a model is not looked into."""
+# diffusers' hooks (their registry names) that give every weight new storage around each
+# forward: enable_layerwise_casting() casts it to the compute dtype and back, group offloading
+# moves it on and off the device. Under a graph the capture's casts were replayed from the
+# capture-time storage into the parameters, so a weight update after capture was overwritten
+# (and on CUDA that storage is freed once the forward rebinds the parameter).
+_WEIGHT_HOOKS = frozenset(
+    {"layerwise_casting", "group_offloading", "lazy_prefetch_group_offloading"}
+)
+
+
+def _diffusers_hooks(model: Callable[..., Any]) -> tuple[set[str], set[str]]:
+    """Names of the diffusers hooks on the model's modules that no graph can replay: the
+    stateful ones (``ModelHook._is_stateful``: the caches), and those that cast or move the
+    weights at every forward (:data:`_WEIGHT_HOOKS`). The model is looked through wrappers as
+    for ``return_dict`` (a bound method's module too). A closure over a model is not looked
+    into."""
     target: Any = model
     for _ in range(_MAX_UNWRAP):
         if isinstance(target, torch.nn.Module):
             break
         inner = getattr(target, "__self__", None) or getattr(target, "__wrapped__", None)
         if inner is None or inner is target:
-            return set()
+            return set(), set()
         target = inner
     if not isinstance(target, torch.nn.Module):
-        return set()
-    found: set[str] = set()
+        return set(), set()
+    stateful: set[str] = set()
+    weights: set[str] = set()
     for sub in target.modules():
         registry = getattr(sub, "_diffusers_hook", None)
         for name, hook in getattr(registry, "hooks", {}).items():
             if getattr(hook, "_is_stateful", False):
-                found.add(name)
-    return found
+                stateful.add(name)
+            elif name in _WEIGHT_HOOKS:
+                weights.add(name)
+    return stateful, weights
 
 
 def _return_dict_default(model: Callable[..., Any]) -> Any:

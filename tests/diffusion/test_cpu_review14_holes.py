@@ -1,0 +1,62 @@
+"""Holes found by the fourteenth review (DiTRunner over diffusers transformers: weight hooks,
+prompts, timesteps, attention patches), each pinned by a test that failed before its fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from bcg_diffusion import DiTRunner, make_attention_ops_breakable
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def _flux() -> Any:
+    torch.manual_seed(0)
+    return diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    ).eval()  # fmt: skip
+
+
+def _flux_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(1, 16, 4, generator=gen),
+        "encoder_hidden_states": torch.randn(1, 8, 32, generator=gen),
+        "pooled_projections": torch.randn(1, 32, generator=gen),
+        "timestep": torch.rand(1, generator=gen),
+        "img_ids": torch.zeros(16, 3),
+        "txt_ids": torch.zeros(8, 3),
+    }
+
+
+def _cast_layerwise(model: Any) -> Any:
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    return model
+
+
+def test_a_model_casting_its_weights_at_every_forward_is_refused_at_capture() -> None:
+    """enable_layerwise_casting() gives every weight new storage around each forward (cast to
+    the compute dtype and back). Was: captured, and each replay ran the capture's casts from
+    the capture-time storage into the parameters, so a weight updated in place after capture
+    (a LoRA-style delta) was lost in the replay and in every eager call after it."""
+    model, twin = _cast_layerwise(_flux()), _cast_layerwise(_flux())
+    runner = DiTRunner(model, breakable_attention=make_attention_ops_breakable(model), device="cpu")
+    try:
+        with torch.no_grad():
+            with pytest.raises(ValueError, match="layerwise_casting"):
+                runner.capture(**_flux_inputs())
+            assert runner.stats.entries == ()
+            for net in (model, twin):  # the same update on both
+                for p in net.parameters():
+                    p.copy_(p.float() * 2)
+            expected = twin(**_flux_inputs(1)).sample
+            assert torch.equal(runner(**_flux_inputs(1)).sample, expected)  # eager, no window
+            assert torch.equal(model(**_flux_inputs(1)).sample, expected)
+        assert runner.stats.captures == 0
+    finally:
+        runner.close()
