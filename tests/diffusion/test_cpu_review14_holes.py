@@ -3,11 +3,14 @@ prompts, timesteps, attention patches), each pinned by a test that failed before
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from bcg_core import disable_breakable_graphs
 from bcg_diffusion import DiTRunner, make_attention_ops_breakable
 
 diffusers = pytest.importorskip("diffusers")
@@ -58,5 +61,42 @@ def test_a_model_casting_its_weights_at_every_forward_is_refused_at_capture() ->
             assert torch.equal(runner(**_flux_inputs(1)).sample, expected)  # eager, no window
             assert torch.equal(model(**_flux_inputs(1)).sample, expected)
         assert runner.stats.captures == 0
+    finally:
+        runner.close()
+
+
+def _design_as_tensor_step() -> str:
+    """The step DESIGN.md gives for ``as_tensor`` timesteps of a DiT transformer."""
+    design = Path(__file__).parents[2] / "packages" / "bcg-diffusion" / "DESIGN.md"
+    text = " ".join(design.read_text().split())
+    found = re.search(r"`(lambda x, t, \*\*kw: model\(.*?\))`", text)
+    assert found is not None, "DESIGN.md's as_tensor step is gone"
+    return found.group(1)
+
+
+def test_the_documented_as_tensor_step_runs_on_every_eager_path() -> None:
+    """DESIGN.md's step for a Python-float timestep named in as_tensor: the runner passes the
+    float as given whenever it serves a call eagerly (a miss, graphs disabled). Was
+    ``t.reshape(1)``: AttributeError ('float' object has no attribute 'reshape') there."""
+    model = _flux()
+    step = eval(_design_as_tensor_step(), {"model": model, "torch": torch})
+    cond = _flux_inputs()
+    x, _ = cond.pop("hidden_states"), cond.pop("timestep")
+    runner = DiTRunner(
+        step, breakable_attention=make_attention_ops_breakable(model), device="cpu",
+        as_tensor=("t",),
+    )  # fmt: skip
+    try:
+        with torch.no_grad():
+            runner.capture(x, 1.0, **cond)
+            for t in (0.75, 0.25):
+                expected = model(x, timestep=torch.tensor([t]), **cond).sample
+                assert torch.equal(runner(x, t, **cond).sample, expected)  # a replay
+                wider = {**cond, "txt_ids": torch.zeros(8, 3, dtype=torch.float64)}
+                assert torch.equal(runner(x, t, **wider).sample, expected)  # a miss
+            assert runner.stats.hits == 2 and runner.stats.misses == 2
+            with disable_breakable_graphs():  # as BCG_DISABLE=1 or a machine without CUDA
+                expected = model(x, timestep=torch.tensor([0.5]), **cond).sample
+                assert torch.equal(runner(x, 0.5, **cond).sample, expected)
     finally:
         runner.close()
