@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bcg_core import disable_breakable_graphs
-from bcg_diffusion import DiTRunner, make_attention_ops_breakable
+from bcg_diffusion import DiTRunner, bucket_for, make_attention_ops_breakable, pad_prompt
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -100,3 +100,19 @@ def test_the_documented_as_tensor_step_runs_on_every_eager_path() -> None:
                 assert torch.equal(runner(x, 0.5, **cond).sample, expected)
     finally:
         runner.close()
+
+
+def test_buckets_of_numpy_or_tensor_integers_are_lengths() -> None:
+    """Was ValueError 'buckets must be positive int lengths, got [np.int64(64), ...]': only
+    Python ints passed, so buckets made with NumPy or torch were refused though they are
+    positive integer lengths. Floats and bools stay refused."""
+    np = pytest.importorskip("numpy")
+    embeds = torch.randn(2, 70, 8)
+    for buckets in (np.arange(64, 257, 64), torch.tensor([128, 64, 192])):
+        assert bucket_for(70, buckets) == 128 and type(bucket_for(70, buckets)) is int
+        padded, mask = pad_prompt(embeds, None, buckets)
+        assert padded.shape == (2, 128, 8) and int(mask.sum()) == 2 * 70
+        assert torch.equal(padded[:, :70], embeds) and not padded[:, 70:].any()
+    for bad in ([64.0], [True], [np.float32(64)]):
+        with pytest.raises(ValueError, match="positive int lengths"):
+            bucket_for(3, bad)

@@ -9,7 +9,9 @@ eager output within floating-point tolerance.
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -25,13 +27,17 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
         The smallest bucket >= ``length``.
 
     Raises:
-        ValueError: ``buckets`` is empty or holds a length that is no int or below 1,
+        ValueError: ``buckets`` is empty or holds a length that is no integer (a bool or a
+            float is none; NumPy's and 0-dim integer tensors are) or below 1,
             ``length`` is below 1 (or NaN), or it exceeds the largest bucket (the message names it).
     """
-    ordered = sorted(buckets)
     # A float (16.0) or bool bucket failed later inside F.pad with a TypeError naming neither.
-    if not ordered or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in ordered):
-        raise ValueError(f"buckets must be positive int lengths, got {ordered}")
+    # Integers of another type (NumPy's, a 0-dim integer tensor) are lengths too: the
+    # isinstance(int) check refused np.arange(64, 257, 64) as "not positive int lengths".
+    given: list[Any] = list(buckets)
+    ordered = sorted(_length(b, given) for b in given)
+    if not ordered or ordered[0] < 1:
+        raise ValueError(f"buckets must be positive int lengths, got {given}")
     if not length >= 1:  # (not `length < 1`: a NaN length came back as the smallest bucket)
         # Padding it gives an all-False mask: attention over no key is NaN.
         raise ValueError(f"a prompt must hold at least one token, got length {length}")
@@ -42,6 +48,16 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
             "bucket or truncate the prompt"
         )
     return ordered[i]
+
+
+def _length(bucket: Any, buckets: list[Any]) -> int:
+    """A bucket as a Python int (any integer type but bool); ValueError for anything else."""
+    if not isinstance(bucket, bool):
+        try:
+            return operator.index(bucket)
+        except TypeError:
+            pass
+    raise ValueError(f"buckets must be positive int lengths, got {buckets}")
 
 
 def pad_prompt(
