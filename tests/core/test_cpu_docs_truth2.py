@@ -51,3 +51,37 @@ def test_the_debug_argument_still_refuses_another_word() -> None:
 
     with pytest.raises(ValueError, match="debug must be"):
         BreakableCUDAGraphCapture(BreakableCUDAGraph(backend="cpu"), debug="verbose")
+
+
+def test_bench_names_an_unknown_workload_in_one_line_on_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # bcg's main(): "2 for an unknown workload ... reported in one line on stderr"; it went to
+    # stdout (a script reading the table from stdout got the error in it).
+    from bcg_core.bench import main
+
+    assert main(["bench", "--smoke", "no-such-workload"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "unknown workload" in lines[0], captured.err
+
+
+@pytest.mark.parametrize(
+    "flags", [["--backend", "cuda"], ["--atol", "0.1"], ["--rtol", "1e-3"], ["--seed", "3"]]
+)
+def test_check_refuses_divergence_options_without_divergence(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --backend, --atol, --rtol and --seed are the divergence check's ("with --divergence" in
+    # the help); a plain check always captures on the CPU backend. `bcg check --backend cuda`
+    # printed "captures cleanly" from the CPU backend, the flag dropped silently.
+    from bcg_core.bench import main
+
+    assert main(["check", "bcg_core:is_in_breakable_cuda_graph", *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bcg check: "), captured.err
+    assert flags[0] in lines[0] and "--divergence" in lines[0]
+    assert main(["check", "bcg_core:is_in_breakable_cuda_graph", "--backend", "cpu"]) == 0
