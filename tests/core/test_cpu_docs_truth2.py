@@ -85,3 +85,16 @@ def test_check_refuses_divergence_options_without_divergence(
     assert len(lines) == 1 and lines[0].startswith("bcg check: "), captured.err
     assert flags[0] in lines[0] and "--divergence" in lines[0]
     assert main(["check", "bcg_core:is_in_breakable_cuda_graph", "--backend", "cpu"]) == 0
+
+
+def test_check_capture_refuses_what_is_not_callable_before_capturing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # It raised the raw "'int' object is not callable" from inside the capture, and logged the
+    # capture-failure hint ("Rerun with BCG_DISABLE=1 ...") for a wrong argument.
+    with (
+        caplog.at_level("ERROR", logger="bcg_core"),
+        pytest.raises(TypeError, match="check_capture"),
+    ):
+        check_capture(torch.ones(2))  # type: ignore[arg-type]
+    assert caplog.records == []
