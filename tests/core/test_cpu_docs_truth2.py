@@ -98,3 +98,35 @@ def test_check_capture_refuses_what_is_not_callable_before_capturing(
     ):
         check_capture(torch.ones(2))  # type: ignore[arg-type]
     assert caplog.records == []
+
+
+@pytest.mark.parametrize("device", ["meta", "mps"])
+def test_a_runner_refuses_a_device_no_graph_backend_captures(device: str) -> None:
+    # "device: the device static buffers live on and graphs capture for": a device type with no
+    # graph backend fell back to CUDA's, so without CUDA every call ran eagerly saying "no CUDA
+    # device is available" (and on a CUDA machine a capture was attempted for "mps").
+    from bcg_diffusion import DiTRunner
+
+    with pytest.raises(ValueError, match=f"no breakable graph backend for device type '{device}'"):
+        BreakableGraphRunner(_step, device=device)
+    with pytest.raises(ValueError, match="no breakable graph backend"):
+        DiTRunner(_step, device=device)
+
+
+def test_continuous_batching_refuses_a_model_on_a_device_without_graphs() -> None:
+    transformers = pytest.importorskip("transformers")
+    model_runner = pytest.importorskip("transformers.generation.continuous_batching.model_runner")
+    import bcg_core
+
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).to("meta").eval()
+    model.set_attn_implementation("sdpa")
+    compute = vars(model_runner.ModelRunner)["compute_batch"]
+    # It was enabled, and the engine's runner then served every batch eagerly saying "no CUDA
+    # device is available"; now refused before anything is patched, like the other refusals.
+    with pytest.raises(ValueError, match="no breakable graph backend for device type 'meta'"):
+        bcg_core.enable_continuous_batching(model)
+    assert vars(model_runner.ModelRunner)["compute_batch"] is compute
