@@ -130,3 +130,37 @@ def test_continuous_batching_refuses_a_model_on_a_device_without_graphs() -> Non
     with pytest.raises(ValueError, match="no breakable graph backend for device type 'meta'"):
         bcg_core.enable_continuous_batching(model)
     assert vars(model_runner.ModelRunner)["compute_batch"] is compute
+
+
+def test_a_dit_runner_sets_a_token_for_each_replay_and_none_for_eager_calls() -> None:
+    # replay_token_scope's docstring said DiTRunner "enters one for every call"; it enters one
+    # for every replay: an eager call (a miss) and the capture see None (DESIGN, "Replay tokens").
+    from bcg_diffusion import DiTRunner, get_current_replay_token
+
+    seen: list[int | None] = []
+
+    class Attention(torch.nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            seen.append(get_current_replay_token())
+            return q * 2
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Attention()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x + 1) - 1
+
+    runner = DiTRunner(Model(), attention_classes=(Attention,), device="cpu")
+    try:
+        runner.capture(torch.ones(1, 2))
+        assert seen == [None, None, None] and runner.stats.entries[0].breaks == 1
+        seen.clear()
+        runner(torch.ones(1, 2))
+        runner(torch.ones(1, 2))
+        runner(torch.ones(3, 2))  # no graph for this shape: eager
+        assert seen[0] is not None and seen[1] is not None and seen[1] > seen[0]
+        assert seen[2] is None
+    finally:
+        runner.close()

@@ -543,6 +543,9 @@ class BreakableGraphRunner:
 
         A stream only captures into that pool use, whose cuBLAS workspace lives in memory of its
         own (see :class:`BreakableCUDAGraphCapture`); made with the pool on first use.
+
+        Raises:
+            CaptureError: the runner's backend cannot capture (``device="cuda"`` without CUDA).
         """
         with self._lock:
             return self._graph_backend.capture_stream(self.pool, self.device)
