@@ -1,7 +1,8 @@
 """bcg's environment variables, read one way: ``BCG_DISABLE``, ``BCG_PROFILE``, ``BCG_DEBUG``.
 
 Values are compared stripped and lower-cased; the words below are the only booleans accepted
-(another value of a boolean variable counts as off, with a warning once per value).
+(another value counts as off, with a warning once per value; ``BCG_DEBUG`` also takes
+``warn`` and ``strict``).
 Read at each call that needs them (never cached), so a variable set after import takes effect.
 """
 
@@ -50,18 +51,18 @@ class EnvFlag:
         if word in TRUE_WORDS:
             return True
         if word not in FALSE_WORDS:
-            _warn_unknown(self.name, word)
+            warn_unknown(self.name, word)
         return False
 
 
-def _warn_unknown(name: str, word: str) -> None:
-    """Say once per value that a boolean variable holds a word bcg does not read (it counts as
-    off): ``BCG_DISABLE=2`` silently left breakable graphs on."""
+def warn_unknown(name: str, word: str, on: str = "1 (or true, yes, on) to turn it on") -> None:
+    """Say once per value that a variable holds a word bcg does not read (it counts as off):
+    ``BCG_DISABLE=2`` silently left breakable graphs on. ``on`` says which values turn it on."""
     if not first_time(("env", name, word)):
         return
     warnings.warn(
-        f"bcg: {name}={word!r} is not a value bcg reads, so it counts as off; set {name}=1 "
-        "(or true, yes, on) to turn it on, or 0 (false, no, off, or unset it) for off",
+        f"bcg: {name}={word!r} is not a value bcg reads, so it counts as off; set {name}={on}, "
+        "or 0 (false, no, off, or unset it) for off",
         RuntimeWarning,
         stacklevel=3,
     )

@@ -176,6 +176,7 @@ class PatchHandle(Removable):
             AttributeError: a target lacks its attribute (what was patched is released).
             KeyError: a dict target lacks its key (likewise).
             ImportError: a dotted target name cannot be imported (likewise).
+            TypeError: a wrap is not callable (likewise).
         """
         handles: list[PatchHandle] = []
         try:

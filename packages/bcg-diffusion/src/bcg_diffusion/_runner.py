@@ -142,6 +142,10 @@ class DiTRunner(BreakableGraphRunner):
 
         Returns:
             The model's output (a replay's, or an eager run's on a miss).
+
+        Raises:
+            BreakOutputError: at replay, a break returned other tensors or plain values than
+                at capture.
         """
         # The usual call has no return_dict: told without a frame before the replay's launch.
         as_tuple = "return_dict" in kwargs and self._pop_format(kwargs, args)
@@ -163,6 +167,9 @@ class DiTRunner(BreakableGraphRunner):
 
         Returns:
             The :class:`bcg_core.DivergenceReport`.
+
+        Raises:
+            ValueError: no graph is captured for the call's signature.
         """
         if "return_dict" in kwargs:
             self._pop_format(kwargs, args)

@@ -71,7 +71,8 @@ class ReplayTokenScope(contextlib.ContextDecorator):
 def replay_token_scope() -> AbstractContextManager[int]:
     """Context manager that runs the enclosed replay under a fresh token.
 
-    :class:`DiTRunner` enters one for every call; use it to replay by hand
+    :class:`DiTRunner` enters one for every replay (not for its eager calls, whose token
+    stays None); use it to replay by hand
     (``with replay_token_scope() as token: graph.replay()``). The token is set in a context
     variable (this thread or task), and the previous token is restored on exit.
 

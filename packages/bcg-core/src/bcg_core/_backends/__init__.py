@@ -30,7 +30,6 @@ from bcg_core._errors import CaptureError
 # this package never names a backend; it asks one of the functions below.
 _BACKENDS: dict[str, GraphBackend] = {"cuda": CudaBackend(), "cpu": CpuBackend()}
 _HOST = _BACKENDS["cpu"]
-_DEFAULT = next(iter(_BACKENDS.values()))
 
 
 def backend_for(device_type: str = "cuda") -> GraphBackend:
@@ -56,10 +55,16 @@ def backend_named(name: str) -> GraphBackend:
 
 
 def backend_for_device(device: Any) -> GraphBackend:
-    """The backend that captures tensors on ``device`` (a ``torch.device``); the default
-    accelerator backend for a device type no backend captures (which then reports itself
-    unavailable or fails to capture, as before)."""
-    return _BACKENDS.get(device.type, _DEFAULT)
+    """The backend that captures tensors on ``device`` (a ``torch.device``); ValueError for a
+    device type no backend captures. (It used to fall back to CUDA's: a runner on "mps" ran
+    eagerly saying "no CUDA device is available", or on a CUDA machine tried to capture.)"""
+    backend = _BACKENDS.get(device.type)
+    if backend is None:
+        raise ValueError(
+            f"no breakable graph backend for device type {device.type!r} (there are: "
+            f"{', '.join(sorted(_BACKENDS))}); run the model without bcg on this device"
+        )
+    return backend
 
 
 def backend_for_tensors(tensors: Iterable[Any]) -> GraphBackend:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from bcg_core._capture.fresh import TRACKER, FreshTensorTracker, storage_key
-from bcg_core._env import FALSE_WORDS, TRUE_WORDS, env_word
+from bcg_core._env import FALSE_WORDS, TRUE_WORDS, env_word, warn_unknown
 from bcg_core._errors import CaptureError
 from bcg_core._trees import tensor_leaves
 
@@ -38,13 +38,14 @@ def debug_level(option: bool | str | None = None) -> DebugLevel:
     """The debug level for ``option`` (None: the ``BCG_DEBUG`` environment variable).
 
     ``True``/"1"/"on"/"warn" give WARN, "strict" gives STRICT, ``False``/""/"0"/"off" give OFF;
-    anything else raises ``ValueError`` naming the accepted values.
+    anything else given as ``option`` raises ``ValueError`` naming the accepted values. Another
+    word in ``BCG_DEBUG`` counts as off, warned once per value, as for ``BCG_DISABLE``: raising
+    there failed every capture (a runner blocked every signature, ``check_capture`` raised).
     """
     if isinstance(option, bool):
         return DebugLevel.WARN if option else DebugLevel.OFF
     if option is not None and not isinstance(option, str):  # 1, 0.0 ...: not .strip()-able
         raise ValueError(f"debug must be a bool, 'warn' or 'strict' (or None), got {option!r}")
-    source = "debug" if option is not None else "BCG_DEBUG"
     value = option.strip().lower() if option is not None else env_word("BCG_DEBUG")
     if value == "strict":
         return DebugLevel.STRICT
@@ -52,7 +53,10 @@ def debug_level(option: bool | str | None = None) -> DebugLevel:
         return DebugLevel.WARN
     if value in FALSE_WORDS:
         return DebugLevel.OFF
-    raise ValueError(f"{source} must be a bool, 'warn' or 'strict' (or 1/0), got {value!r}")
+    if option is None:
+        warn_unknown("BCG_DEBUG", value, on="1 (or warn) to warn, strict to raise")
+        return DebugLevel.OFF
+    raise ValueError(f"debug must be a bool, 'warn' or 'strict' (or 1/0), got {value!r}")
 
 
 def keep_alive_ok(tensor: torch.Tensor) -> torch.Tensor:

@@ -68,8 +68,13 @@ def check_capture(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Captu
         message, the host-sync operation and its source line; ``str()`` of it is one line.
 
     Raises:
+        TypeError: ``fn`` is not callable (before anything runs).
         Exception: whatever ``fn`` raises that is not a :class:`BreakableGraphError`.
     """
+    if not callable(fn):
+        # (It raised the raw "'int' object is not callable" from inside the capture, after
+        # logging the capture-failure hint.)
+        raise TypeError(f"check_capture needs a callable (a model or a function), got {fn!r}")
     graph = BreakableCUDAGraph(backend="cpu")
     failure: BreakableGraphError | None = None
     with enable_breakable_cuda_graph():

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import torch
 
+from bcg_core._backends import backend_for_device
 from bcg_core._capture.breaks import eager_on_graph
 from bcg_core._capture.context import is_breakable_capture_active
 from bcg_core._capture.flag import (
@@ -203,8 +204,9 @@ def enable_continuous_batching(
     Raises:
         ImportError: transformers is missing or not a supported version (5.17).
         ValueError: the model's attention is another one (flash, flex), ``attention`` is
-            unknown or ``"varlen"`` where torch has no ``varlen_attn``, or ``capture_after`` is
-            negative; nothing is patched.
+            unknown or ``"varlen"`` where torch has no ``varlen_attn``, ``capture_after`` is
+            negative, or the model is on a device no graph backend captures (``"mps"``);
+            nothing is patched.
         ``"varlen"`` is also refused for a model off CUDA or not in float16/bfloat16, and
         when the engine starts for a model with sliding-window layers. Asynchronous batching
         is turned off (with a warning) for an enabled model's engines.
@@ -227,6 +229,10 @@ def enable_continuous_batching(
             'use attention="paged"'
         )
     device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        # ValueError for a device no graph backend captures ("mps"), before anything is
+        # patched: the engine's runner would refuse it at engine start.
+        backend_for_device(device)
     if attention == "varlen" and getattr(device, "type", None) not in _VARLEN_DEVICES:
         raise ValueError(
             'bcg continuous batching: attention="varlen" runs a CUDA kernel (the model is on '

@@ -127,7 +127,7 @@ class BreakableGraphRunner:
     Args:
         module: the module or callable to stand in for.
         device: the device static buffers live on and graphs capture for (default
-            ``"cuda"``; ``"cpu"`` uses the CPU graph backend).
+            ``"cuda"``; ``"cpu"`` uses the CPU graph backend); another device type raises.
         max_entries: captured signatures kept, >= 1 (default 8); beyond it the least recently
             used is evicted.
         max_segments: a capture with more segments disables the runner, >= 1 (default None:
@@ -150,8 +150,9 @@ class BreakableGraphRunner:
             ``warmup_iters`` is not an int, ``return_views`` not a bool, ``replay_context``
             not callable, ``pool`` is a graph or a runner instead of a pool, or ``as_tensor``
             is a single name or holds something other than ints and strings.
-        ValueError: ``max_entries``, ``max_segments`` or ``warmup_iters`` is out of range, or an
-            ``as_tensor`` position is negative.
+        ValueError: ``max_entries``, ``max_segments`` or ``warmup_iters`` is out of range, an
+            ``as_tensor`` position is negative, or ``device`` is of a type no graph backend
+            captures (``"mps"``, ``"meta"``).
     """
 
     def __init__(
@@ -542,6 +543,9 @@ class BreakableGraphRunner:
 
         A stream only captures into that pool use, whose cuBLAS workspace lives in memory of its
         own (see :class:`BreakableCUDAGraphCapture`); made with the pool on first use.
+
+        Raises:
+            CaptureError: the runner's backend cannot capture (``device="cuda"`` without CUDA).
         """
         with self._lock:
             return self._graph_backend.capture_stream(self.pool, self.device)

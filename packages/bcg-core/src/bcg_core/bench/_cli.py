@@ -83,7 +83,10 @@ def bench(args: argparse.Namespace) -> int:
     names = args.workload or list(workloads)
     unknown = [n for n in names if n not in workloads]
     if unknown:
-        print(f"bcg bench: unknown workload(s) {unknown}; installed: {sorted(workloads)}")
+        print(
+            f"bcg bench: unknown workload(s) {unknown}; installed: {sorted(workloads)}",
+            file=sys.stderr,
+        )
         return 2
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         problem = None if path is None else _unwritable(path)
@@ -214,8 +217,10 @@ def _is_builder_result(made: Any) -> bool:
 def check(args: argparse.Namespace) -> int:
     """Run a zero-argument callable under CPU capture; report the first host sync or success.
     With ``--divergence`` the callable returns ``(fn, input_sets)`` instead, and the divergence
-    check compares eager and replay of ``fn`` over the sets. A target that cannot be used, or
-    ``--divergence --backend cuda`` without CUDA, gets one line on stderr and exit code 2."""
+    check compares eager and replay of ``fn`` over the sets. A target that cannot be used,
+    ``--divergence --backend cuda`` without CUDA, or a divergence option (``--backend cuda``,
+    ``--atol``, ``--rtol``, ``--seed``) without ``--divergence`` gets one line on stderr and
+    exit code 2."""
     try:
         return _check(args)
     except _TargetError as exc:
@@ -228,6 +233,23 @@ def _check(args: argparse.Namespace) -> int:
         raise _TargetError(
             "--backend cuda needs a CUDA device, but torch.cuda.is_available() is False here "
             f"(torch {torch.__version__}); use --backend cpu (the CPU graph backend)"
+        )
+    # Options of the divergence check, given without it, were dropped silently: a plain check
+    # asked for with --backend cuda said "captures cleanly" from the CPU backend.
+    ignored = [
+        flag
+        for flag, given in (
+            ("--backend cuda", args.backend == "cuda"),
+            ("--atol", args.atol != 0.0),
+            ("--rtol", args.rtol != 0.0),
+            ("--seed", args.seed != 0),
+        )
+        if given
+    ]
+    if ignored and not args.divergence:
+        raise _TargetError(
+            f"{', '.join(ignored)} apply to --divergence only; without it bcg check captures "
+            "once on the CPU backend"
         )
     target = _load(args.target)
     if not args.divergence:
@@ -264,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status: 0 on success; 1 when a result is wrong (a replay differs from eager,
         a check fails); 2 for an unknown workload, a ``--json``/``--plot`` path that cannot
         be written (said before the run), or a ``bcg check`` target that cannot be used (or
-        ``--backend cuda`` without CUDA), reported in one line on stderr.
+        ``--backend cuda`` without CUDA, or a divergence option without ``--divergence``),
+        reported in one line on stderr.
 
     Raises:
         SystemExit: bad command-line arguments (argparse's usage error, status 2), or a
@@ -297,7 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--divergence", action="store_true",
         help="the callable returns (fn, input_sets): compare eager and replay of fn over them",
     )  # fmt: skip
-    p_check.add_argument("--backend", choices=("cpu", "cuda"), default=None)
+    p_check.add_argument(
+        "--backend", choices=("cpu", "cuda"), default=None,
+        help="with --divergence (default: the inputs' device)",
+    )  # fmt: skip
     p_check.add_argument(
         "--atol", type=_tolerance, default=0.0, help="with --divergence (bitwise: 0)"
     )
