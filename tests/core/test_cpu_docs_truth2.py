@@ -11,7 +11,9 @@ import torch
 from bcg_core import (
     BreakableGraphRunner,
     check_capture,
+    check_divergence,
     eager_on_graph,
+    is_breakable_capture_active,
 )
 
 
@@ -164,3 +166,18 @@ def test_a_dit_runner_sets_a_token_for_each_replay_and_none_for_eager_calls() ->
         assert seen[2] is None
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("seed", ["a", 1.5, True])
+def test_check_divergence_refuses_a_seed_that_is_not_an_int_before_capturing(seed: object) -> None:
+    calls = []
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return x * 2
+
+    inputs = [(torch.ones(3),), (torch.zeros(3),)]
+    with pytest.raises(TypeError, match="seed must be an int"):
+        check_divergence(step, inputs, seed=seed, backend="cpu")  # type: ignore[arg-type]
+    assert calls == []  # refused before any warm-up or capture
+    assert not is_breakable_capture_active()

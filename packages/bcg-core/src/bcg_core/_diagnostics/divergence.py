@@ -173,8 +173,9 @@ def check_divergence(
         set, segment and tensors that differed (or ``"nondeterministic"``, or ``"stateful"``).
 
     Raises:
-        TypeError: ``fn`` is not callable, ``atol`` or ``rtol`` is not a number, or
-            ``inputs`` is a tensor, string or mapping instead of a list of input sets.
+        TypeError: ``fn`` is not callable, ``atol`` or ``rtol`` is not a number, ``seed`` is
+            not an int, or ``inputs`` is a tensor, string or mapping instead of a list of
+            input sets.
         ValueError: negative or NaN ``atol`` or ``rtol``, fewer than two input sets, an unknown
             ``backend``, an input set whose structure, shapes, dtypes or devices differ from
             set 0's, or nothing to compare (no break call, no tensor returned, no argument
@@ -187,6 +188,9 @@ def check_divergence(
     for label, tolerance in (("atol", atol), ("rtol", rtol)):
         if not isinstance(tolerance, (int, float)):
             raise TypeError(f"check_divergence's {label} must be a number, got {tolerance!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        # torch.manual_seed failed on it only after the warm-up and capture had run.
+        raise TypeError(f"check_divergence's seed must be an int, got {seed!r}")
     if not (atol >= 0 and rtol >= 0):  # NaN too: torch.isclose refused it after the capture
         raise ValueError(f"atol and rtol must be >= 0, got atol={atol}, rtol={rtol}")
     if isinstance(inputs, (torch.Tensor, str, bytes, Mapping)):
