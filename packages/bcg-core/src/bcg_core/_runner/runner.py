@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -106,7 +107,9 @@ class BreakableGraphRunner:
     **Inference.** Outputs of a replay (and of a capture) carry no autograd history; a graph
     replays in the inference mode it was captured in, and its output is cloned in the
     caller's mode. A graph holds the wrapped module's ``train()``/``eval()`` mode of its
-    capture: a call in the other mode runs eagerly (a miss, warned once). It reads parameters
+    capture (the module, a bound method's, or the one behind a ``functools.partial`` or
+    ``torch.compile``; not one a lambda closes over): a call in the other mode runs eagerly (a
+    miss, warned once). It reads parameters
     where they were at capture: update weights in place (``load_state_dict``, ``p.copy_``);
     after anything that rebinds them (``model.to(dtype)``, ``param.data = ...``), call
     :meth:`reset`.
@@ -975,10 +978,22 @@ def _note_storage(seen: dict[int, int], t: torch.Tensor) -> None:
 
 def _mode_module(module: Any) -> torch.nn.Module | None:
     """The ``nn.Module`` whose ``training`` flag a call of ``module`` runs in: the module itself
-    (the module torch.compile wrapped, whose flag ``model.eval()`` sets), or the module a bound
-    method belongs to; None for other callables."""
-    owner = getattr(module, "__self__", module)
-    if not isinstance(owner, torch.nn.Module):
-        return None
-    inner = getattr(owner, "_orig_mod", owner)
-    return inner if isinstance(inner, torch.nn.Module) else owner
+    (the module torch.compile wrapped, whose flag ``model.eval()`` sets), the module a bound
+    method belongs to, or the one behind a ``functools.partial`` or a torch.compile'd function
+    (``torch.compile(model.decode)``: both hid a bound method, and a graph captured in
+    ``eval()`` replayed without dropout after ``model.train()``); None for other callables."""
+    seen: set[int] = set()
+    while id(module) not in seen:
+        seen.add(id(module))
+        if isinstance(module, torch.nn.Module):
+            inner = getattr(module, "_orig_mod", module)
+            return inner if isinstance(inner, torch.nn.Module) else module
+        if isinstance(module, functools.partial):
+            module = module.func
+        elif (owner := getattr(module, "__self__", None)) is not None:
+            module = owner
+        else:
+            module = getattr(module, "_torchdynamo_orig_callable", None)
+            if module is None:
+                return None
+    return None

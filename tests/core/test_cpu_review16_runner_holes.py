@@ -1,0 +1,50 @@
+"""Holes a second review of BreakableGraphRunner's and BreakableCUDAGraph's core semantics
+found on the CPU backend: each was a silently wrong value or a raw error, and is now right or
+refused clearly."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from bcg_core import BreakableGraphRunner
+
+
+class _Noisy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.drop(self.lin(x)) * scale
+
+    def decode(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.drop(self.lin(x)) * scale
+
+
+@pytest.mark.parametrize("wrap", ["partial", "partial_method", "compiled_method"])
+def test_a_module_behind_a_partial_or_a_compiled_method_keeps_its_train_mode(wrap: str) -> None:
+    # The runner reads the train()/eval() mode of the module it wraps, of a bound method's
+    # module and of torch.compile's module; a functools.partial or a compiled bound method hid
+    # the module, so a graph captured in eval() replayed after model.train() without dropout.
+    model = _Noisy().eval()
+    if wrap == "partial":
+        step, call = functools.partial(model, scale=2.0), (torch.ones(3, 4),)
+    elif wrap == "partial_method":
+        step, call = functools.partial(model.decode, scale=2.0), (torch.ones(3, 4),)
+    else:
+        step, call = torch.compile(model.decode, backend="eager"), (torch.ones(3, 4), 2.0)
+    runner = BreakableGraphRunner(step, device="cpu")
+    with torch.no_grad():
+        runner.capture(*call)
+        assert torch.equal(runner(*call), step(*call)) and runner.stats.hits == 1
+        model.train()
+        torch.manual_seed(1)
+        out = runner(*call)
+        torch.manual_seed(1)
+        assert torch.equal(out, step(*call))
+        assert (out == 0).any()  # dropout ran
+        assert runner.stats.hits == 1 and runner.stats.misses == 1
