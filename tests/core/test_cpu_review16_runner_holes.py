@@ -4,12 +4,21 @@ refused clearly."""
 
 from __future__ import annotations
 
+import copy
 import functools
+import pickle
+from typing import Any
 
 import pytest
 import torch
 
-from bcg_core import BreakableGraphRunner
+from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    BreakableGraphRunner,
+    eager_on_graph,
+    enable_breakable_cuda_graph,
+)
 
 
 class _Noisy(torch.nn.Module):
@@ -48,3 +57,33 @@ def test_a_module_behind_a_partial_or_a_compiled_method_keeps_its_train_mode(wra
         assert torch.equal(out, step(*call))
         assert (out == 0).any()  # dropout ran
         assert runner.stats.hits == 1 and runner.stats.misses == 1
+
+
+@pytest.mark.parametrize("how", [copy.copy, copy.deepcopy, pickle.dumps])
+def test_a_runner_or_graph_is_refused_clearly_by_copy_and_pickle(how: Any) -> None:
+    # A shallow copy shared the runner's entries and pool: once the original was reset, the
+    # copy replayed a reset graph (ReplayError); deepcopy and pickle failed on a lock.
+    runner = BreakableGraphRunner(_add_one_step, device="cpu", warmup_iters=0)
+    x = torch.ones(2)
+    runner.capture(x)
+    with pytest.raises(TypeError, match="cannot be copied or pickled"):
+        how(runner)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        y = _add_one(x * 2) * 3
+    with pytest.raises(TypeError, match="cannot be copied or pickled"):
+        how(graph)
+    # Nothing was left behind: both still replay.
+    x.fill_(2.0)
+    graph.replay()
+    assert torch.equal(y, torch.full((2,), 15.0))
+    assert torch.equal(runner(x), _add_one_step(x)) and runner.stats.hits == 1
+
+
+@eager_on_graph(name="review16.add_one")
+def _add_one(h: torch.Tensor) -> torch.Tensor:
+    return h + 1
+
+
+def _add_one_step(x: torch.Tensor) -> torch.Tensor:
+    return _add_one(x * 2) * 3

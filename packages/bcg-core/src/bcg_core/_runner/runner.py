@@ -9,7 +9,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn, SupportsIndex
 
 import torch
 
@@ -125,7 +125,8 @@ class BreakableGraphRunner:
     warned once). With ``device="cuda"`` and no CUDA device every call runs eagerly, with a
     one-time notice; ``device="cpu"`` captures CPU graphs (the CPU backend of
     :class:`BreakableCUDAGraph`, with CUDA's capture rules). Attribute access falls through to
-    the wrapped module. Calls are serialised by a lock: static buffers are shared state.
+    the wrapped module. Calls are serialised by a lock: static buffers are shared state. A
+    runner cannot be copied or pickled (``TypeError``): make a new one over the module.
 
     Args:
         module: the module or callable to stand in for.
@@ -252,6 +253,16 @@ class BreakableGraphRunner:
         self._counts = {"hits": 0, "misses": 0, "captures": 0, "failed": 0, "evictions": 0}
 
     # -- the module stand-in ------------------------------------------------------------------
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # copy.copy, copy.deepcopy and pickle all come here. A shallow copy shared the entries
+        # and pool with the original, and replayed graphs the original had reset (ReplayError);
+        # a deep copy or a pickle failed on the lock ("cannot pickle '_thread.RLock' object").
+        raise TypeError(
+            f"a {type(self).__name__} cannot be copied or pickled: its graphs, static buffers "
+            "and pool belong to this object. Make a new runner over the module (a copy of it "
+            "if needed) and capture again; copy or save the module itself, not the runner"
+        )
 
     def __getattr__(self, name: str) -> Any:
         # Only called for names the runner itself lacks; never recurse before __init__ ran.
