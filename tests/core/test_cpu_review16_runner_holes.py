@@ -87,3 +87,34 @@ def _add_one(h: torch.Tensor) -> torch.Tensor:
 
 def _add_one_step(x: torch.Tensor) -> torch.Tensor:
     return _add_one(x * 2) * 3
+
+
+def _concat(x: torch.Tensor, **parts: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, *parts.values()]) * 2
+
+
+def test_keywords_a_step_takes_in_its_kwargs_keep_their_order() -> None:
+    # The signature keys keywords by name, and **kwargs holds them in the call's order: a graph
+    # captured with (a=, b=) replayed for (b=, a=) concatenated in the capture's order.
+    runner = BreakableGraphRunner(_concat, device="cpu", warmup_iters=0)
+    x, a, b = torch.zeros(1), torch.ones(2), torch.full((2,), 2.0)
+    runner.capture(x, a=a, b=b)
+    assert torch.equal(runner(x, a=a, b=b), _concat(x, a=a, b=b))
+    assert torch.equal(runner(x, b=b, a=a), _concat(x, b=b, a=a))
+    assert runner.stats.hits == 1 and runner.stats.misses == 1
+    for _ in range(2):  # and the last hit's guard does not replay the other order either
+        assert torch.equal(runner(x, a=a * 3, b=b), _concat(x, a=a * 3, b=b))
+        assert torch.equal(runner(x, b=b, a=a * 3), _concat(x, b=b, a=a * 3))
+    assert runner.stats.hits == 3 and runner.stats.misses == 3
+
+
+def test_keywords_bound_by_name_still_share_one_graph_in_any_order() -> None:
+    # A step that names its parameters (a module's forward with **kwargs too) sees no order.
+    def step(x: torch.Tensor, *, a: torch.Tensor, b: torch.Tensor, **rest: Any) -> torch.Tensor:
+        return x + a * 2 - b
+
+    runner = BreakableGraphRunner(step, device="cpu", warmup_iters=0)
+    x, a, b = torch.zeros(2), torch.ones(2), torch.full((2,), 5.0)
+    runner.capture(x, a=a, b=b, flag=True)
+    assert torch.equal(runner(x, b=b, a=a, flag=True), step(x, a=a, b=b))
+    assert runner.stats.hits == 1 and runner.stats.misses == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import time
 from collections import OrderedDict
@@ -33,7 +34,7 @@ from bcg_core._runner.entry import Entry
 from bcg_core._runner.misses import MissLog
 from bcg_core._runner.pool import PoolTurn, share_turn
 from bcg_core._runner.progress import capture_progress
-from bcg_core._runner.scalars import ScalarSlots
+from bcg_core._runner.scalars import ScalarSlots, parameters
 from bcg_core._runner.stats import CaptureReport, EntryStats, GraphMemory, RunnerStats
 from bcg_core._signature import (
     FlatGuard,
@@ -61,6 +62,9 @@ class BreakableGraphRunner:
     passed to the captured call as a 0-dim tensor on ``device`` (dtype as ``torch.tensor(v)``),
     rewritten at every call, so one graph serves every value; the model must accept a tensor
     there (arithmetic works unchanged; ``int(t)`` or ``if t > 0`` would sync the host).
+    Keywords are keyed by name in any order, except those that land in the step's ``**kwargs``
+    (which sees the call's order): a call passing two or more of them in another order than
+    the capture runs eagerly (a miss, said once).
 
     **One pool.** Every signature captures into one memory pool, :attr:`pool`, so graphs reuse
     each other's intermediate memory and the runner costs about what its largest graph costs;
@@ -239,6 +243,10 @@ class BreakableGraphRunner:
         # The module whose train()/eval() mode a graph holds (dropout, batch-norm statistics):
         # a call in the other mode runs eagerly.
         self._mode_module = _mode_module(module)
+        # The names a keyword argument binds to by name; the others land in the step's
+        # **kwargs, a dict in the call's order, which the signature (keywords by name) ignores.
+        # None: the step takes no **kwargs, so keyword order never matters.
+        self._named_keywords = _named_keywords(module)
         self._last_failure: tuple[Signature, str] | None = None  # set by _capture_failed
         # Why the last call of a captured signature ran eagerly (set by the refusals, read by
         # capture_many's report: only the refusal knows which rule it applied).
@@ -332,6 +340,8 @@ class BreakableGraphRunner:
                     and (stale := entry.stale_object(call_args, call_kwargs)) is not None
                 ):
                     return self._stale_object(stale, (args, kwargs))
+                if entry.keywords is not None and self._keyword_order(kwargs) != entry.keywords:
+                    return self._other_keyword_order((args, kwargs))
                 if entry.written and (pair := entry.overlap.find(live)) is not None:
                     return self._refuse(sig, live, pair, (args, kwargs))
                 if (
@@ -730,6 +740,7 @@ class BreakableGraphRunner:
         self._turn.busy = None
         if self._mode_module is not None:
             entry.training = self._mode_module.training
+        entry.keywords = self._keyword_order(call[1])
         graph = entry.graph
         pair = entry.overlap.find(live)
         if pair is not None:
@@ -872,6 +883,32 @@ class BreakableGraphRunner:
             call,
         )
 
+    def _keyword_order(self, kwargs: dict[str, Any]) -> tuple[str, ...] | None:
+        """The order of the keywords a call passes into the step's ``**kwargs``, when two or
+        more land there (a step iterating them computes in that order); else None."""
+        named = self._named_keywords
+        if named is None or len(kwargs) < 2:
+            return None
+        free = tuple(name for name in kwargs if name not in named)
+        return free if len(free) > 1 else None
+
+    def _other_keyword_order(self, call: Call) -> Any:
+        """Run eagerly a call passing the keywords the step's ``**kwargs`` receives in another
+        order than the capture: its graph computed in the capture's order (a miss, said
+        once)."""
+        self._misses.refused(
+            "keyword order",
+            "this call passes the keywords that the step receives in its **kwargs in another "
+            "order than its graph's capture did; the signature keys keywords by name, but the "
+            "step sees them in the call's order (a graph of one order replayed for the other "
+            "computed in the capture's order), so such calls run eagerly: pass them in one "
+            "order",
+        )
+        return self._eager_miss(
+            "it passes the keywords of the step's **kwargs in another order than the capture",
+            call,
+        )
+
     def _other_autocast(self, entry: Entry, call: Call) -> Any:
         """Run eagerly a call under another autocast state than its graph's capture: the
         graph's kernels are the ones autocast chose then (a miss, warned once)."""
@@ -985,6 +1022,19 @@ def _capture_mode(inference: bool) -> Iterator[None]:
 def _note_storage(seen: dict[int, int], t: torch.Tensor) -> None:
     storage = t.untyped_storage()
     seen.setdefault(storage.data_ptr(), storage.nbytes())
+
+
+def _named_keywords(module: Any) -> frozenset[str] | None:
+    """The parameter names a keyword argument of ``module`` binds to by name when it takes
+    ``**kwargs`` (other keywords land there, in the call's order); None when it takes none.
+    A callable whose signature cannot be read may take any keyword into ``**kwargs``."""
+    params = parameters(module)
+    if params is None:
+        return frozenset()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in params if p.kind in by_name)
 
 
 def _mode_module(module: Any) -> torch.nn.Module | None:
