@@ -118,3 +118,36 @@ def test_keywords_bound_by_name_still_share_one_graph_in_any_order() -> None:
     runner.capture(x, a=a, b=b, flag=True)
     assert torch.equal(runner(x, b=b, a=a, flag=True), step(x, a=a, b=b))
     assert runner.stats.hits == 1 and runner.stats.misses == 0
+
+
+def _double_in_place(h: torch.Tensor) -> torch.Tensor:
+    h.mul_(2)
+    return h + 1
+
+
+def test_a_returned_view_passed_back_as_a_written_argument_runs_eagerly() -> None:
+    # With return_views=True the caller holds the static output; passed back as an argument
+    # the graph writes (h = runner(h)), the copy-back of the argument after the replay
+    # overwrote the output it returned: 2h instead of 2h + 1.
+    runner = BreakableGraphRunner(_double_in_place, device="cpu", return_views=True)
+    out = runner.capture(torch.ones(2))
+    eager_arg = out.clone()
+    eager = _double_in_place(eager_arg)
+    assert torch.equal(runner(out), eager) and torch.equal(out, eager_arg)
+    assert runner.stats.misses == 1 and runner.stats.hits == 0
+    h = torch.ones(2)  # a fresh argument still replays
+    assert torch.equal(runner(h), torch.full((2,), 3.0)) and torch.equal(h, torch.full((2,), 2.0))
+    assert runner.stats.hits == 1
+
+
+def test_a_returned_argument_passed_back_as_itself_replays() -> None:
+    def step(h: torch.Tensor) -> torch.Tensor:
+        return h.mul_(2)
+
+    runner = BreakableGraphRunner(step, device="cpu", return_views=True)
+    h = runner.capture(torch.ones(2))
+    for _ in range(2):
+        expected = h * 2
+        h = runner(h)
+        assert torch.equal(h, expected)
+    assert runner.stats.hits == 2

@@ -14,6 +14,7 @@ from typing import Any, Literal, NoReturn, SupportsIndex
 
 import torch
 
+from bcg_core import _trees
 from bcg_core._backends import backend_for_device
 from bcg_core._capture.capture import CAPTURE_ERROR_MODES
 from bcg_core._capture.context import active_capture
@@ -32,6 +33,7 @@ from bcg_core._runner.calls import Call, call_bytes, call_shapes, check_call
 from bcg_core._runner.capture_entry import capture_entry
 from bcg_core._runner.entry import Entry
 from bcg_core._runner.misses import MissLog
+from bcg_core._runner.overlap import OverlapCheck
 from bcg_core._runner.pool import PoolTurn, share_turn
 from bcg_core._runner.progress import capture_progress
 from bcg_core._runner.scalars import ScalarSlots, parameters
@@ -41,6 +43,7 @@ from bcg_core._signature import (
     Signature,
     describe_difference,
     describe_signature,
+    object_tensors,
     signature_and_tensors,
     tensor_paths,
 )
@@ -142,7 +145,8 @@ class BreakableGraphRunner:
             no limit).
         warmup_iters: eager runs before each capture, >= 0 (default 2).
         return_views: return the static output itself instead of a clone (default False); it
-            is valid until the next replay.
+            is valid until the next replay (passed back as an argument the graph writes, the
+            call runs eagerly).
         replay_context: a zero-argument callable returning a context manager each replay runs
             inside (default None).
         pool: a memory pool to share with another runner or graph (``runner.pool``,
@@ -742,6 +746,19 @@ class BreakableGraphRunner:
             entry.training = self._mode_module.training
         entry.keywords = self._keyword_order(call[1])
         graph = entry.graph
+        if self.return_views and entry.written:
+            # The caller holds the static output: passed back as an argument the graph writes
+            # (h = runner(h)), the copy-back after the replay overwrote the output it returns
+            # with the argument's new values. Such a call runs eagerly, as one overlapping
+            # another argument does. (An output that is a static input buffer, the argument
+            # returned, passed back as that argument is its own buffer: nothing is copied.)
+            statics = {t.untyped_storage().data_ptr() for t in entry.statics}
+            outputs = [
+                t
+                for t in _trees.tensor_leaves(entry.output)
+                if t.numel() and t.untyped_storage().data_ptr() not in statics
+            ]
+            entry.overlap = OverlapCheck(entry.written, [*object_tensors(*lifted), *outputs])
         pair = entry.overlap.find(live)
         if pair is not None:
             # The capture ran on separate buffers: its result is not what eager gives. The
@@ -839,7 +856,13 @@ class BreakableGraphRunner:
         tensor inside an object argument (see ``overlap.py``): a miss, said once."""
         paths = tensor_paths(sig)
         i, j = pair
-        other = paths[j] if j < len(live) else tensor_paths(sig, "tensor@")[j - len(live)]
+        inside = tensor_paths(sig, "tensor@")
+        if j < len(live):
+            other = paths[j]
+        elif j - len(live) < len(inside):
+            other = inside[j - len(live)]
+        else:
+            other = "the static output an earlier call returned (return_views=True)"
         self._misses.refused(
             "overlap",
             f"{paths[i]} and {other} of this call share memory and the captured step writes "
