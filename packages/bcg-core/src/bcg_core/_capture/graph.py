@@ -8,7 +8,7 @@ import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn, SupportsIndex
 
 import torch
 
@@ -125,7 +125,8 @@ class BreakableCUDAGraph:
 
     Failure modes: :meth:`replay` raises :class:`ReplayError` before a successful capture, after a
     failed one, and while a capture is active in the calling context. A failed capture leaves the
-    graph in the failed state; :meth:`reset` clears it for a new capture.
+    graph in the failed state; :meth:`reset` clears it for a new capture. A graph cannot be
+    copied or pickled (``TypeError``).
 
     Args:
         pool: a memory pool handle to capture into, from another graph's :meth:`pool` or a
@@ -166,6 +167,15 @@ class BreakableCUDAGraph:
         self._state = _State.EMPTY
         self._lock = threading.Lock()
         self._replaying = 0  # replays running now: reset() under one would drop its segments
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # copy.copy, copy.deepcopy and pickle all come here. A shallow copy shared the
+        # segments, and its reset() dropped them under the original (still "captured"); a deep
+        # copy or a pickle failed on the lock ("cannot pickle '_thread.lock' object").
+        raise TypeError(
+            "a BreakableCUDAGraph cannot be copied or pickled: its segments and pool belong to "
+            "this object; capture a new graph instead"
+        )
 
     def pool(self) -> Any:
         """This graph's memory pool handle, created on first use.

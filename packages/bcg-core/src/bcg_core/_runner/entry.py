@@ -59,7 +59,9 @@ class Entry:
     capture ran in inference mode: replays run in the same mode. ``autocast``: the autocast
     state of the capture (None: off); a call under another one runs eagerly. ``training``:
     the wrapped module's ``training`` flag at capture (None: the runner wraps no module); a
-    call in the other mode runs eagerly.
+    call in the other mode runs eagerly. ``keywords``: the order of the keywords the step's
+    ``**kwargs`` received at capture, when two or more did (None otherwise); a call passing
+    them in another order runs eagerly.
     ``passed``: the ids of objects (dataclasses, plain objects: a cache) that
     the call passed in and the output holds; a clone of the output returns them as themselves.
     ``overlap`` tells the calls whose written argument shares memory with another (they run
@@ -87,6 +89,7 @@ class Entry:
     watched: tuple[tuple[torch.Tensor, int], ...] = ()
     objects: tuple[Any, ...] = ()
     training: bool | None = None
+    keywords: tuple[str, ...] | None = None
     replays: int = 0
     warmup_ms: float = 0.0
     _copy: tuple[int, ...] = field(init=False)

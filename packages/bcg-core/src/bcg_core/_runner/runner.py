@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn, SupportsIndex
 
 import torch
 
+from bcg_core import _trees
 from bcg_core._backends import backend_for_device
 from bcg_core._capture.capture import CAPTURE_ERROR_MODES
 from bcg_core._capture.context import active_capture
@@ -30,15 +33,17 @@ from bcg_core._runner.calls import Call, call_bytes, call_shapes, check_call
 from bcg_core._runner.capture_entry import capture_entry
 from bcg_core._runner.entry import Entry
 from bcg_core._runner.misses import MissLog
+from bcg_core._runner.overlap import OverlapCheck
 from bcg_core._runner.pool import PoolTurn, share_turn
 from bcg_core._runner.progress import capture_progress
-from bcg_core._runner.scalars import ScalarSlots
+from bcg_core._runner.scalars import ScalarSlots, parameters
 from bcg_core._runner.stats import CaptureReport, EntryStats, GraphMemory, RunnerStats
 from bcg_core._signature import (
     FlatGuard,
     Signature,
     describe_difference,
     describe_signature,
+    object_tensors,
     signature_and_tensors,
     tensor_paths,
 )
@@ -60,6 +65,9 @@ class BreakableGraphRunner:
     passed to the captured call as a 0-dim tensor on ``device`` (dtype as ``torch.tensor(v)``),
     rewritten at every call, so one graph serves every value; the model must accept a tensor
     there (arithmetic works unchanged; ``int(t)`` or ``if t > 0`` would sync the host).
+    Keywords are keyed by name in any order, except those that land in the step's ``**kwargs``
+    (which sees the call's order): a call passing two or more of them in another order than
+    the capture runs eagerly (a miss, said once).
 
     **One pool.** Every signature captures into one memory pool, :attr:`pool`, so graphs reuse
     each other's intermediate memory and the runner costs about what its largest graph costs;
@@ -106,7 +114,9 @@ class BreakableGraphRunner:
     **Inference.** Outputs of a replay (and of a capture) carry no autograd history; a graph
     replays in the inference mode it was captured in, and its output is cloned in the
     caller's mode. A graph holds the wrapped module's ``train()``/``eval()`` mode of its
-    capture: a call in the other mode runs eagerly (a miss, warned once). It reads parameters
+    capture (the module, a bound method's, or the one behind a ``functools.partial`` or
+    ``torch.compile``; not one a lambda closes over): a call in the other mode runs eagerly (a
+    miss, warned once). It reads parameters
     where they were at capture: update weights in place (``load_state_dict``, ``p.copy_``);
     after anything that rebinds them (``model.to(dtype)``, ``param.data = ...``), call
     :meth:`reset`.
@@ -122,7 +132,8 @@ class BreakableGraphRunner:
     warned once). With ``device="cuda"`` and no CUDA device every call runs eagerly, with a
     one-time notice; ``device="cpu"`` captures CPU graphs (the CPU backend of
     :class:`BreakableCUDAGraph`, with CUDA's capture rules). Attribute access falls through to
-    the wrapped module. Calls are serialised by a lock: static buffers are shared state.
+    the wrapped module. Calls are serialised by a lock: static buffers are shared state. A
+    runner cannot be copied or pickled (``TypeError``): make a new one over the module.
 
     Args:
         module: the module or callable to stand in for.
@@ -134,7 +145,8 @@ class BreakableGraphRunner:
             no limit).
         warmup_iters: eager runs before each capture, >= 0 (default 2).
         return_views: return the static output itself instead of a clone (default False); it
-            is valid until the next replay.
+            is valid until the next replay (passed back as an argument the graph writes, the
+            call runs eagerly).
         replay_context: a zero-argument callable returning a context manager each replay runs
             inside (default None).
         pool: a memory pool to share with another runner or graph (``runner.pool``,
@@ -235,6 +247,10 @@ class BreakableGraphRunner:
         # The module whose train()/eval() mode a graph holds (dropout, batch-norm statistics):
         # a call in the other mode runs eagerly.
         self._mode_module = _mode_module(module)
+        # The names a keyword argument binds to by name; the others land in the step's
+        # **kwargs, a dict in the call's order, which the signature (keywords by name) ignores.
+        # None: the step takes no **kwargs, so keyword order never matters.
+        self._named_keywords = _named_keywords(module)
         self._last_failure: tuple[Signature, str] | None = None  # set by _capture_failed
         # Why the last call of a captured signature ran eagerly (set by the refusals, read by
         # capture_many's report: only the refusal knows which rule it applied).
@@ -249,6 +265,16 @@ class BreakableGraphRunner:
         self._counts = {"hits": 0, "misses": 0, "captures": 0, "failed": 0, "evictions": 0}
 
     # -- the module stand-in ------------------------------------------------------------------
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # copy.copy, copy.deepcopy and pickle all come here. A shallow copy shared the entries
+        # and pool with the original, and replayed graphs the original had reset (ReplayError);
+        # a deep copy or a pickle failed on the lock ("cannot pickle '_thread.RLock' object").
+        raise TypeError(
+            f"a {type(self).__name__} cannot be copied or pickled: its graphs, static buffers "
+            "and pool belong to this object. Make a new runner over the module (a copy of it "
+            "if needed) and capture again; copy or save the module itself, not the runner"
+        )
 
     def __getattr__(self, name: str) -> Any:
         # Only called for names the runner itself lacks; never recurse before __init__ ran.
@@ -318,6 +344,8 @@ class BreakableGraphRunner:
                     and (stale := entry.stale_object(call_args, call_kwargs)) is not None
                 ):
                     return self._stale_object(stale, (args, kwargs))
+                if entry.keywords is not None and self._keyword_order(kwargs) != entry.keywords:
+                    return self._other_keyword_order((args, kwargs))
                 if entry.written and (pair := entry.overlap.find(live)) is not None:
                     return self._refuse(sig, live, pair, (args, kwargs))
                 if (
@@ -716,7 +744,21 @@ class BreakableGraphRunner:
         self._turn.busy = None
         if self._mode_module is not None:
             entry.training = self._mode_module.training
+        entry.keywords = self._keyword_order(call[1])
         graph = entry.graph
+        if self.return_views and entry.written:
+            # The caller holds the static output: passed back as an argument the graph writes
+            # (h = runner(h)), the copy-back after the replay overwrote the output it returns
+            # with the argument's new values. Such a call runs eagerly, as one overlapping
+            # another argument does. (An output that is a static input buffer, the argument
+            # returned, passed back as that argument is its own buffer: nothing is copied.)
+            statics = {t.untyped_storage().data_ptr() for t in entry.statics}
+            outputs = [
+                t
+                for t in _trees.tensor_leaves(entry.output)
+                if t.numel() and t.untyped_storage().data_ptr() not in statics
+            ]
+            entry.overlap = OverlapCheck(entry.written, [*object_tensors(*lifted), *outputs])
         pair = entry.overlap.find(live)
         if pair is not None:
             # The capture ran on separate buffers: its result is not what eager gives. The
@@ -814,7 +856,13 @@ class BreakableGraphRunner:
         tensor inside an object argument (see ``overlap.py``): a miss, said once."""
         paths = tensor_paths(sig)
         i, j = pair
-        other = paths[j] if j < len(live) else tensor_paths(sig, "tensor@")[j - len(live)]
+        inside = tensor_paths(sig, "tensor@")
+        if j < len(live):
+            other = paths[j]
+        elif j - len(live) < len(inside):
+            other = inside[j - len(live)]
+        else:
+            other = "the static output an earlier call returned (return_views=True)"
         self._misses.refused(
             "overlap",
             f"{paths[i]} and {other} of this call share memory and the captured step writes "
@@ -855,6 +903,32 @@ class BreakableGraphRunner:
         return self._eager_miss(
             f"its graph reads another {type(stale).__qualname__} object argument, changed "
             "since the capture",
+            call,
+        )
+
+    def _keyword_order(self, kwargs: dict[str, Any]) -> tuple[str, ...] | None:
+        """The order of the keywords a call passes into the step's ``**kwargs``, when two or
+        more land there (a step iterating them computes in that order); else None."""
+        named = self._named_keywords
+        if named is None or len(kwargs) < 2:
+            return None
+        free = tuple(name for name in kwargs if name not in named)
+        return free if len(free) > 1 else None
+
+    def _other_keyword_order(self, call: Call) -> Any:
+        """Run eagerly a call passing the keywords the step's ``**kwargs`` receives in another
+        order than the capture: its graph computed in the capture's order (a miss, said
+        once)."""
+        self._misses.refused(
+            "keyword order",
+            "this call passes the keywords that the step receives in its **kwargs in another "
+            "order than its graph's capture did; the signature keys keywords by name, but the "
+            "step sees them in the call's order (a graph of one order replayed for the other "
+            "computed in the capture's order), so such calls run eagerly: pass them in one "
+            "order",
+        )
+        return self._eager_miss(
+            "it passes the keywords of the step's **kwargs in another order than the capture",
             call,
         )
 
@@ -973,12 +1047,37 @@ def _note_storage(seen: dict[int, int], t: torch.Tensor) -> None:
     seen.setdefault(storage.data_ptr(), storage.nbytes())
 
 
+def _named_keywords(module: Any) -> frozenset[str] | None:
+    """The parameter names a keyword argument of ``module`` binds to by name when it takes
+    ``**kwargs`` (other keywords land there, in the call's order); None when it takes none.
+    A callable whose signature cannot be read may take any keyword into ``**kwargs``."""
+    params = parameters(module)
+    if params is None:
+        return frozenset()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in params if p.kind in by_name)
+
+
 def _mode_module(module: Any) -> torch.nn.Module | None:
     """The ``nn.Module`` whose ``training`` flag a call of ``module`` runs in: the module itself
-    (the module torch.compile wrapped, whose flag ``model.eval()`` sets), or the module a bound
-    method belongs to; None for other callables."""
-    owner = getattr(module, "__self__", module)
-    if not isinstance(owner, torch.nn.Module):
-        return None
-    inner = getattr(owner, "_orig_mod", owner)
-    return inner if isinstance(inner, torch.nn.Module) else owner
+    (the module torch.compile wrapped, whose flag ``model.eval()`` sets), the module a bound
+    method belongs to, or the one behind a ``functools.partial`` or a torch.compile'd function
+    (``torch.compile(model.decode)``: both hid a bound method, and a graph captured in
+    ``eval()`` replayed without dropout after ``model.train()``); None for other callables."""
+    seen: set[int] = set()
+    while id(module) not in seen:
+        seen.add(id(module))
+        if isinstance(module, torch.nn.Module):
+            inner = getattr(module, "_orig_mod", module)
+            return inner if isinstance(inner, torch.nn.Module) else module
+        if isinstance(module, functools.partial):
+            module = module.func
+        elif (owner := getattr(module, "__self__", None)) is not None:
+            module = owner
+        else:
+            module = getattr(module, "_torchdynamo_orig_callable", None)
+            if module is None:
+                return None
+    return None

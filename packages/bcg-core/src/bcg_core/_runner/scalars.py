@@ -39,15 +39,23 @@ def _number_kind(value: Any) -> type | None:
     return None
 
 
-def _positions(fn: Callable[..., Any]) -> dict[str, int]:
-    """The position of each parameter of ``fn`` that can be passed positionally (a module's
-    ``forward``); empty when its signature cannot be read."""
+def parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
+    """The parameters of ``fn`` as a call of it binds them (a module's ``forward``'s); None
+    when its signature cannot be read."""
     # torch.compile's wrapper of a module declares (*args, **kwargs): read the module's own.
     fn = getattr(fn, "_orig_mod", fn)
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     try:
-        params = inspect.signature(target).parameters.values()
+        return list(inspect.signature(target).parameters.values())
     except (TypeError, ValueError):
+        return None
+
+
+def _positions(fn: Callable[..., Any]) -> dict[str, int]:
+    """The position of each parameter of ``fn`` that can be passed positionally (a module's
+    ``forward``); empty when its signature cannot be read."""
+    params = parameters(fn)
+    if params is None:
         return {}
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return {p.name: i for i, p in enumerate(p for p in params if p.kind in positional)}
