@@ -3,6 +3,8 @@ random-weight models: each replay equal to eager on its own cache, or a clear re
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -64,3 +66,45 @@ def test_a_sliding_window_step_given_an_attention_mask_is_captured(family: str, 
             ids = expected[:, -1:].argmax(-1)
     assert runner.stats.hits == 24
     assert not bcg_core.is_breakable_capture_active()
+
+
+@pytest.mark.parametrize(("base", "padded"), [("eager", False), ("sdpa", True)])
+def test_the_divergence_check_judges_a_sliding_window_mask_break(base: str, padded: bool) -> None:
+    """A sliding layer's mask function is a break (bcg_eager's always, bcg_sdpa's given a 2D
+    attention mask), and transformers hands it a mask predicate made anew at every forward
+    (``and_masks(...)``, a closure over the window). The divergence check compared that
+    argument by identity: 'EAGER IS NOT REPRODUCIBLE' between two eager runs of one input set,
+    so it never judged the replay. Two functions of the same code over equal values are the
+    same argument now, and the check passes before, at and past the window's filling."""
+    model = _windowed("mistral", base)
+    length = 64
+    cache = transformers.StaticCache(config=model.config, max_cache_len=length)
+    prompt, mask = _left_padded(2, 5)
+    if not padded:
+        mask.fill_(1)
+
+    def at(tokens: int, token: int) -> Any:
+        def load() -> tuple[torch.Tensor, torch.Tensor]:
+            cache.reset()
+            repeat = tokens // 5
+            model(
+                input_ids=prompt.repeat(1, repeat),
+                attention_mask=mask.repeat(1, repeat),
+                past_key_values=cache,
+            )
+            full = torch.zeros(2, length, dtype=torch.long)
+            full[:, :tokens] = mask.repeat(1, repeat)
+            full[:, tokens] = 1
+            return torch.tensor([[token], [token + 1]]), full
+
+        return load
+
+    def decode(ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = model(
+            input_ids=ids, attention_mask=attention_mask, past_key_values=cache
+        ).logits
+        return out
+
+    with torch.no_grad():
+        report = bcg_core.check_divergence(decode, [at(5, 3), at(15, 5), at(40, 9)])
+    assert report.ok, str(report)
