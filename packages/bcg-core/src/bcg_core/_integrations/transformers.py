@@ -136,9 +136,10 @@ def breakable_attention(base: str = "sdpa") -> str:
         attention_interface.register(name, _make_breakable(function, name, kernel_only))
         mask = mask_interface._global_mapping.get(base)
         if mask is not None:
-            # sdpa's mask is captured (tested on CUDA); any other base's may not be: eager's
-            # fill value is torch.tensor(0.0, device=...), a pageable copy a capture refuses.
-            mask_interface.register(name, mask if base == "sdpa" else _mask_as_break(mask, name))
+            # sdpa's mask is captured (tested on CUDA), but for a sliding layer given an
+            # attention mask; any other base's may not be: eager's fill value is
+            # torch.tensor(0.0, device=...), a pageable copy a capture refuses.
+            mask_interface.register(name, _mask_as_break(mask, name, sdpa=base == "sdpa"))
         _registered[base] = name
         return name
 
@@ -280,16 +281,27 @@ class _SdpaAsOpaqueOp(TorchFunctionMode):
 _is_compiling = torch.compiler.is_compiling
 
 
-def _mask_as_break(mask: Callable[..., Any], name: str) -> Callable[..., Any]:
+def _mask_as_break(mask: Callable[..., Any], name: str, sdpa: bool = False) -> Callable[..., Any]:
     """``mask`` as one break under the flag: it runs eagerly at every replay, reading the
-    cache position tensor at its captured address, and the next segment reads its output."""
+    cache position tensor at its captured address, and the next segment reads its output.
+
+    ``sdpa``: the mask is captured, except a sliding layer's given a 2D attention mask:
+    transformers pads that mask by comparing the layer's key offset on the host
+    (``prepare_padding_mask``), and bcg makes that offset a tensor (``sliding_window.py``), so
+    captured it raised HostSyncError and the runner served every such step eagerly."""
     as_break = eager_on_graph(name=f"transformers mask ({name})")(mask)
 
     def mask_function(*args: Any, **kwargs: Any) -> Any:
+        if sdpa and (
+            kwargs.get("attention_mask") is None
+            or not isinstance(kwargs.get("kv_offset"), torch.Tensor)
+        ):
+            return mask(*args, **kwargs)  # (checked first: no flag read under torch.compile)
         if not is_in_breakable_cuda_graph():
             return mask(*args, **kwargs)
         return as_break(*args, **kwargs)
 
+    functools.update_wrapper(mask_function, mask)  # __wrapped__: base's mask function
     mask_function.__name__ = mask_function.__qualname__ = f"{name}_mask"
     return mask_function
 
