@@ -15,12 +15,14 @@ import torch
 from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
+    BreakableGraphRunner,
     CaptureError,
     eager_on_graph,
     enable_breakable_cuda_graph,
     is_breakable_capture_active,
     is_in_breakable_cuda_graph,
 )
+from bcg_diffusion import DiTRunner, is_breakable_attention_installed
 
 
 def _assert_idle() -> None:
@@ -159,3 +161,78 @@ def test_a_capture_whose_segment_failed_cannot_succeed_by_catching_the_error() -
     x.copy_(torch.arange(4.0) * 7)
     graph.replay()
     assert torch.equal(out, (x * 3 + 1) * 2)
+
+
+# -- runner methods called from a break of the runner's own replay ----------------------------
+
+_from_break: dict[str, Callable[[], object] | None] = {"call": None}
+
+
+@eager_on_graph(name="faults.meddle")
+def _meddle(h: torch.Tensor) -> torch.Tensor:
+    call = _from_break["call"]
+    if call is not None:
+        _from_break["call"] = None
+        call()
+    return h * 3
+
+
+def _meddled(x: torch.Tensor) -> torch.Tensor:
+    return _meddle(x + 1) * x  # the segment after the break reads the static input again
+
+
+def test_check_divergence_from_a_break_of_its_runners_replay_is_refused() -> None:
+    # The check loaded its own inputs into the static buffers and replayed the graph inside
+    # the running replay, which then went on with the check's inputs: the call returned
+    # 30300 everywhere (the check's input is 100) where eager gives 330, 396, 468, 546, and the
+    # pool's busy mark was cleared under the running replay.
+    runner = BreakableGraphRunner(_meddled, device="cpu")
+    runner.capture(torch.arange(4.0))
+    y = torch.arange(4.0) + 10
+    _from_break["call"] = lambda: runner.check_divergence(torch.full((4,), 100.0))
+    with pytest.raises(RuntimeError, match=r"check_divergence\(\) was called from a break"):
+        runner(y)
+    assert runner._turn.busy is None
+    _assert_idle()
+    assert torch.equal(runner(y), _meddled(y))
+    assert runner.check_divergence(y).ok
+    assert runner.stats.hits == 1
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return _meddle(h)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _Attention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x + 1) * x
+
+
+def test_dit_runner_close_from_a_break_of_its_replay_leaves_it_open() -> None:
+    # close() marked the runner closed before its reset() was refused: its patches stayed
+    # installed and its graphs kept replaying, but the next reset() disabled it, saying its
+    # patches were released; and the error named reset(), which the caller never called.
+    model = _Model()
+    runner = DiTRunner(model, attention_classes=(_Attention,), device="cpu")
+    x = torch.arange(4.0)
+    runner.capture(x)
+    _from_break["call"] = runner.close
+    with pytest.raises(RuntimeError, match="called from a break") as info:
+        runner(x + 1)
+    assert "bcg: raised by DiTRunner.close(), which resets the runner first" in _notes(info.value)
+    _assert_idle()
+    assert is_breakable_attention_installed(_Attention)
+    runner.reset()
+    assert runner.disabled_reason is None  # still open: it captures and replays again
+    y = torch.arange(4.0) * 3
+    assert torch.equal(runner.capture(y), model(y))
+    assert torch.equal(runner(y + 1), model(y + 1))
+    assert runner.stats.hits == 1
+    runner.close()
+    assert not is_breakable_attention_installed(_Attention)
+    assert runner.disabled_reason is not None
