@@ -16,6 +16,7 @@ from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
     BreakableGraphRunner,
+    BreakOutputError,
     CaptureError,
     eager_on_graph,
     enable_breakable_cuda_graph,
@@ -236,3 +237,45 @@ def test_dit_runner_close_from_a_break_of_its_replay_leaves_it_open() -> None:
     runner.close()
     assert not is_breakable_attention_installed(_Attention)
     assert runner.disabled_reason is not None
+
+
+# -- a break returning a tensor without fixed memory at a replay ---------------------------------
+
+_returns: dict[str, Callable[[torch.Tensor], torch.Tensor] | None] = {"as": None}
+
+
+@eager_on_graph(name="faults.layout")
+def _layout(h: torch.Tensor) -> torch.Tensor:
+    make = _returns["as"]
+    return h * 3 if make is None else make(h * 3)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+@pytest.mark.parametrize(
+    ("kind", "make"),
+    [
+        ("sparse_coo", torch.Tensor.to_sparse),
+        ("nested", lambda t: torch.nested.as_nested_tensor(list(t))),
+        ("_mkldnn", torch.Tensor.to_mkldnn),
+    ],
+)
+def test_a_break_returning_a_tensor_without_fixed_memory_at_replay_says_so(
+    kind: str, make: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    # Refused with BreakOutputError at capture, but at replay torch's raw "Cannot access data
+    # pointer of Tensor that doesn't have storage" (sparse, mkldnn) or "Internal error:
+    # NestedTensorImpl doesn't support sizes. Please file an issue." (nested) came out.
+    x = torch.arange(6.0).reshape(2, 3)
+    graph = BreakableCUDAGraph(backend="cpu")
+    out = _capture(graph, lambda: _layout(x + 1) - 2)
+    _returns["as"] = make
+    try:
+        with pytest.raises(BreakOutputError, match=f"returned output \\(a {kind}") as info:
+            graph.replay()
+    finally:
+        _returns["as"] = None
+    assert "Return its dense form" in str(info.value)
+    assert "bcg: raised at replay by break 'faults.layout' (step 2 of 3)" in _notes(info.value)
+    x.copy_(torch.arange(6.0).reshape(2, 3) * 4)
+    graph.replay()  # the graph is unharmed
+    assert torch.equal(out, (x + 1) * 3 - 2)
