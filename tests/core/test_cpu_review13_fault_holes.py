@@ -6,6 +6,7 @@ state is checked clean and the same graph or runner captures and replays right a
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -279,3 +280,59 @@ def test_a_break_returning_a_tensor_without_fixed_memory_at_replay_says_so(
     x.copy_(torch.arange(6.0).reshape(2, 3) * 4)
     graph.replay()  # the graph is unharmed
     assert torch.equal(out, (x + 1) * 3 - 2)
+
+
+# -- an interrupt at any call the capture's entry makes ------------------------------------------
+
+
+class _Interrupt(KeyboardInterrupt):
+    pass
+
+
+def _interrupt_call(at: int) -> Callable[..., Any]:
+    """A trace function raising :class:`_Interrupt` at the ``at``-th call made directly by
+    ``BreakableCUDAGraphCapture.__enter__`` (as a signal handler raising there would)."""
+    calls = [0]
+
+    def tracer(frame: Any, event: str, arg: Any) -> None:
+        caller = frame.f_back
+        if (
+            event == "call"
+            and caller is not None
+            and caller.f_code is BreakableCUDAGraphCapture.__enter__.__code__
+        ):
+            calls[0] += 1
+            if calls[0] == at:
+                raise _Interrupt(f"call {at}")
+
+    return tracer
+
+
+def test_an_interrupt_at_any_call_entering_a_capture_leaves_nothing_behind() -> None:
+    # Interrupted at ExitStack() (after the graph was marked capturing) the graph stayed
+    # capturing for good: reset() and every capture refused it. Interrupted at
+    # stack.callback(exit_capture, ...) the capture stayed active in this context: every later
+    # capture was refused as nested.
+    x = torch.arange(4.0)
+    graph = BreakableCUDAGraph(backend="cpu")
+    at = 1
+    while True:
+        sys.settrace(_interrupt_call(at))
+        try:
+            with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+                _shift(x)
+        except _Interrupt:
+            pass
+        else:
+            break  # no call left to interrupt
+        finally:
+            sys.settrace(None)
+        _assert_idle()
+        graph.reset()
+        out = _capture(graph, lambda: _shift(x * 3) * 2)
+        x.copy_(torch.arange(4.0) * at)
+        graph.replay()
+        assert torch.equal(out, (x * 3 + 1) * 2), at
+        graph.reset()
+        at += 1
+    assert at > 10  # every call was interrupted once

@@ -464,8 +464,10 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
                 f"stream {stream!r} is already capturing (inside torch.cuda.graph?); "
                 "a breakable capture must start outside any other capture"
             )
-        self.cuda_graph._begin_capture(pool)
+        # Made before the graph is marked capturing: a failure in between (an interrupt) left
+        # the graph capturing for good, refusing reset() and every later capture.
         stack = ExitStack()
+        self.cuda_graph._begin_capture(pool)
         try:
             if torch.compiler.config.force_cudagraph_gc:
                 gc.collect()  # torch.cuda.graph's opt-in switch (TORCH_CUDAGRAPH_GC=1)
@@ -493,7 +495,13 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
             stack.enter_context(stream_hooks(backend))
             stack.enter_context(compiles_refused(backend.refuses_compiles))
             token = enter_capture(state, stream.cuda_stream)
-            stack.callback(exit_capture, token, stream.cuda_stream)
+            try:
+                stack.callback(exit_capture, token, stream.cuda_stream)
+            except BaseException:
+                # Not yet on the stack (an interrupt in callback()): the capture stayed active
+                # in this context for good, every later capture refused as nested.
+                exit_capture(token, stream.cuda_stream)
+                raise
             state.begin_segment()
         except BaseException:
             stack.close()
