@@ -289,9 +289,21 @@ class DiTRunner(BreakableGraphRunner):
         Patches that other runners or :func:`install_breakable_attention` hold stay in place.
         A closed runner serves every call eagerly (:attr:`disabled_reason` says so), also
         after :meth:`reset`: make a new runner to capture again.
+
+        Raises:
+            RuntimeError: called from a break of this runner's own replay or capture (nothing
+                is closed or released then).
         """
-        self._closed = True
-        self.reset()
+        closed, self._closed = self._closed, True
+        try:
+            self.reset()
+        except BaseException as exc:
+            # Refused from a break of its own replay: still open, its patches in place (marked
+            # closed, a later reset() disabled it saying its patches were released).
+            self._closed = closed
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note("bcg: raised by DiTRunner.close(), which resets the runner first")
+            raise
         patches, self._patches = self._patches, []
         for patch in patches:
             patch.remove()

@@ -131,7 +131,7 @@ class Bridge:
         # The aliases, which memory accounting counts in the pool, not as bridge memory.
         self.pooled = tuple(pooled)
         leaves, self._spec = _trees.flatten(output)
-        self._refuse_unbridgeable(leaves)
+        self._refuse_unbridgeable(leaves, self._spec)
         # Fresh outputs are checked against metadata read once: nothing else reaches the
         # bridge's tensors, so their shape, dtype and address never change.
         # An expanded output (stride 0 along some dimensions: a broadcast mask, positions)
@@ -169,11 +169,12 @@ class Bridge:
             or (self._flat is not None and self._flat[0] is tuple)
         )
 
-    def _refuse_unbridgeable(self, leaves: list[Any]) -> None:
+    def _refuse_unbridgeable(self, leaves: list[Any], spec: _trees.TreeSpec) -> None:
         """A sparse or nested tensor has no fixed memory that a replay could copy its new
         values into (its number of elements, its indices, its parts may change): refused by
-        path (reading its address raised torch's raw internal error)."""
-        for path, x in zip(_trees.key_paths(self._spec, "output"), leaves, strict=True):
+        path (reading its address raised torch's raw internal error), at capture and at
+        replay (``leaves`` and ``spec`` of the output then)."""
+        for path, x in zip(_trees.key_paths(spec, "output"), leaves, strict=True):
             if isinstance(x, torch.Tensor) and not has_memory_layout(x):
                 kind = "nested" if x.is_nested else f"{x.layout} (sparse)".replace("torch.", "")
                 raise BreakOutputError(
@@ -208,6 +209,12 @@ class Bridge:
             torch._C._set_grad_enabled(False)
         try:
             self._update(fresh)
+        except (RuntimeError, NotImplementedError):
+            # Checked only once a copy failed (nothing is added to a replay that works): a
+            # sparse or nested tensor at replay raised torch's raw "Cannot access data pointer
+            # of Tensor that doesn't have storage" or "NestedTensorImpl doesn't support sizes".
+            self._refuse_unbridgeable(*_trees.flatten(fresh))
+            raise
         finally:
             if grad:
                 torch._C._set_grad_enabled(True)

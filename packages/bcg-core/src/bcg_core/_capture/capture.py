@@ -84,6 +84,12 @@ class CaptureState:
         self.where = "before the first segment"
         self._segments_begun = 0
         self._last_break: str | None = None
+        # The exception that left the last break, and where it was raised: the next segment
+        # has begun by the time the capture's exit sees it (see where_raised).
+        self._break_failure: tuple[BaseException, str] | None = None
+        # The error that ended a segment's capture unsuccessfully (a host sync swallowed in it):
+        # code that catches it and goes on runs unrecorded, so the capture can only fail.
+        self.broken: BaseException | None = None
 
     def begin_segment(self) -> None:
         self._segments_begun += 1
@@ -108,8 +114,24 @@ class CaptureState:
                 f"inside backward (current mode: {self.mode!r})."
             )
 
+    def where_raised(self, exc: BaseException) -> str:
+        """Where ``exc`` was raised: in the break it left (a break's function, its stub, the
+        barrier, a refusal of its output), else where the capture is now."""
+        failure = self._break_failure
+        return failure[1] if failure is not None and failure[0] is exc else self.where
+
     def end_segment(self) -> None:
         """Join forked side streams (or fail naming them) and end the segment's capture."""
+        if self.broken is not None:
+            # The segment ended with an error that the captured code caught: what ran after it
+            # was never recorded (on CUDA the stream left capture mode), so a replay would
+            # silently skip it. (Without this the capture succeeded on the CPU backend and
+            # replayed the capture's values forever.)
+            raise CaptureError(
+                f"{self.where}: the captured code caught the error that ended this segment's "
+                "capture and went on, unrecorded; a capture cannot continue past that error: "
+                f"fix it, or let it propagate ({type(self.broken).__name__}: {self.broken})"
+            ) from self.broken
         unjoined = self.tracker.unjoined()
         if unjoined and not self.auto_join:
             names = ", ".join(repr(s) for s in unjoined)
@@ -123,7 +145,8 @@ class CaptureState:
         assert segment is not None, "end_segment() outside a segment"
         try:
             segment.capture_end()
-        except RuntimeError as exc:
+        except BaseException as exc:
+            self.broken = exc
             forked = self.tracker.forked_this_segment()
             if forked and "unjoined" in str(exc).lower():
                 names = ", ".join(repr(s) for s in forked)
@@ -182,6 +205,9 @@ class CaptureState:
         self.end_segment()
         try:
             return self._run_break(fn, stub, strict, name, args, kwargs)
+        except BaseException as exc:
+            self._break_failure = (exc, self.where)
+            raise
         finally:
             # Also after an error (the break's own, the barrier's, or bcg's refusal of what the
             # break did): a caller that catches it and goes on (a fallback path) is captured in
@@ -334,9 +360,11 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
     nested capture, a graph that already holds a capture (call ``reset()``), a stream that is
     already capturing, a machine without CUDA, or disabled breakable graphs (``BCG_DISABLE=1``,
     ``disable_breakable_graphs()``) raise :class:`CaptureError`. An exception from
-    the captured code propagates unchanged (with a note saying where it was raised); in every
-    case the stream leaves capture mode, context variables are reset, stream hooks are removed,
-    and the graph is left in the failed state, ready for ``reset()`` and a new capture.
+    the captured code propagates unchanged (with a note saying where it was raised; an error
+    that ended a segment's capture and that the captured code caught fails the capture at the
+    next segment end with :class:`CaptureError`); in every case the stream leaves capture
+    mode, context variables are reset, stream hooks are removed, and the graph is left in the
+    failed state, ready for ``reset()`` and a new capture.
 
     Args:
         cuda_graph: the empty :class:`BreakableCUDAGraph` to capture into.
@@ -436,8 +464,10 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
                 f"stream {stream!r} is already capturing (inside torch.cuda.graph?); "
                 "a breakable capture must start outside any other capture"
             )
-        self.cuda_graph._begin_capture(pool)
+        # Made before the graph is marked capturing: a failure in between (an interrupt) left
+        # the graph capturing for good, refusing reset() and every later capture.
         stack = ExitStack()
+        self.cuda_graph._begin_capture(pool)
         try:
             if torch.compiler.config.force_cudagraph_gc:
                 gc.collect()  # torch.cuda.graph's opt-in switch (TORCH_CUDAGRAPH_GC=1)
@@ -465,7 +495,13 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
             stack.enter_context(stream_hooks(backend))
             stack.enter_context(compiles_refused(backend.refuses_compiles))
             token = enter_capture(state, stream.cuda_stream)
-            stack.callback(exit_capture, token, stream.cuda_stream)
+            try:
+                stack.callback(exit_capture, token, stream.cuda_stream)
+            except BaseException:
+                # Not yet on the stack (an interrupt in callback()): the capture stayed active
+                # in this context for good, every later capture refused as nested.
+                exit_capture(token, stream.cuda_stream)
+                raise
             state.begin_segment()
         except BaseException:
             stack.close()
@@ -495,14 +531,16 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
                 self._fail(state, exc)
                 refused = as_capture_error(exc)
                 if refused is not None:
-                    refused.add_note(f"bcg: raised {state.where} of a breakable CUDA graph capture")
+                    where = state.where_raised(exc)
+                    refused.add_note(f"bcg: raised {where} of a breakable CUDA graph capture")
                     raise refused from exc
 
     def _fail(self, state: CaptureState, exc: BaseException) -> None:
         # Asked before the stack closes: this capture is still registered, and so are others.
         others = captures_on_other_threads(state.thread)
+        where = state.where_raised(exc)
         if hasattr(exc, "add_note"):  # Python >= 3.11
-            exc.add_note(f"bcg: raised {state.where} of a breakable CUDA graph capture")
+            exc.add_note(f"bcg: raised {where} of a breakable CUDA graph capture")
             hint = capture_refusal_hint(exc)
             if hint is not None:
                 exc.add_note(hint)
@@ -522,7 +560,7 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
         if others and cuda_capture_error:
             other = others[0]
             raise ConcurrentCaptureError(
-                f"{state.where}: the capture failed with a CUDA capture error ({exc}) while "
+                f"{where}: the capture failed with a CUDA capture error ({exc}) while "
                 f"another thread was capturing too (stream {other.stream!r}, "
                 f"capture_error_mode={other.mode!r}; this capture's: {state.mode!r}). In "
                 "'global' mode a capture makes other threads' unsafe calls (allocations, "

@@ -595,8 +595,20 @@ class BreakableGraphRunner:
         Raises:
             ValueError: no graph is captured for the call's signature (the message says which
                 fields differ from the nearest captured one).
+            RuntimeError: called from a break of a replay or capture in this runner's pool (its
+                own or a runner's sharing the pool); nothing is checked then.
         """
         with self._lock:
+            if self._turn.busy is not None:
+                # The check loads its inputs into the static buffers and replays the graph: from
+                # a break of that graph's replay, the rest of the replay computed with the
+                # check's inputs and returned that silently (and another graph of the pool
+                # would overwrite memory the running one still reads).
+                raise RuntimeError(
+                    f"{type(self).__name__}.check_divergence() was called from a break of a "
+                    "replay or capture in this runner's pool (its own or a runner's sharing the "
+                    "pool); call it after that call has returned"
+                )
             sig, live, values = self._signature_of(args, kwargs)
             entry = self._entries.get(sig)
             if entry is None:
