@@ -265,9 +265,23 @@ def break_graph() -> None:
 
     The segment before and the one after replay in order, as around an :func:`eager_on_graph`
     break that does nothing. Inside a ``torch.compile``d function dynamo graph-breaks here, and
-    the split happens.
+    the split happens; ``fullgraph=True`` therefore refuses it, with an error saying so.
     """
     if _is_compiling():
+        import torch._dynamo  # imported already: dynamo is tracing this
+
+        # The graph break below alone made fullgraph=True fail with dynamo's "function marked
+        # as skipped", naming bcg's `_split` and hinting to trace into it; this one says why.
+        # (In the default mode it is one more, empty, graph break at the same place.)
+        torch._dynamo.graph_break(msg=_SPLIT_UNDER_COMPILE)
         _compiled_split()
     else:
         _split()
+
+
+_SPLIT_UNDER_COMPILE = (
+    "bcg: break_graph() is a dynamo graph break under torch.compile (the split is no op the "
+    "compiler could keep in place), which fullgraph=True refuses: compile without "
+    "fullgraph=True, or split at an @eager_on_graph break taking a tensor (one opaque op, "
+    "which fullgraph=True keeps)"
+)
