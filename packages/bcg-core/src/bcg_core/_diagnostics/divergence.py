@@ -637,9 +637,11 @@ def _tensor_diff(x: torch.Tensor, y: torch.Tensor, atol: float, rtol: float) -> 
         return None
     xd, yd = x.double(), y.double()
     nan_x, nan_y = torch.isnan(xd), torch.isnan(yd)
-    gap = torch.where(nan_x & nan_y, 0.0, (xd - yd).abs())
+    # Equal values differ by 0 (an infinity on both sides too, where x - y is NaN), a NaN on
+    # one side only by inf; nan_to_num made an infinite gap the largest float.
+    gap = torch.where((xd == yd) | (nan_x & nan_y), 0.0, (xd - yd).abs())
     gap = torch.where(nan_x ^ nan_y, math.inf, gap)
-    return float(torch.nan_to_num(gap, nan=math.inf).max()) if gap.numel() else 0.0
+    return float(gap.max()) if gap.numel() else 0.0
 
 
 # -- inputs --------------------------------------------------------------------------------------
