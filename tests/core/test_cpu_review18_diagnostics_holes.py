@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from bcg_core import check_divergence, eager_on_graph
+from bcg_core import BreakableGraphRunner, check_divergence, eager_on_graph, signature_of
 
 
 @eager_on_graph
@@ -41,3 +41,25 @@ def test_max_abs_diff_is_true_where_values_are_infinite_or_nan() -> None:
     y = torch.tensor([1.0, 2.0])
     report = check_divergence(_scaled, [(y, 1.0), (y, math.inf)], backend="cpu")
     assert report.diffs[0].max_abs_diff == math.inf  # eager inf, replay a number
+
+
+def test_a_nan_argument_replays_the_graph_captured_for_a_nan() -> None:
+    # NaN is unequal to itself and hashed by identity: a call given a NaN made anew (a NaN
+    # read from a config, float("nan")) never matched the signature captured for one, ran
+    # eagerly at every call and logged "args[1]: nan (captured: nan)".
+    def nan() -> float:
+        return float("nan")
+
+    assert signature_of((nan(),), {}) == signature_of((nan(),), {})
+    assert hash(signature_of(([nan()],), {})) == hash(signature_of(([nan()],), {}))  # walked
+    assert signature_of((complex(nan(), 1),), {}) == signature_of((complex(nan(), 1),), {})
+    assert signature_of((nan(),), {}) != signature_of((-nan(),), {})  # copysign tells them apart
+    assert signature_of((nan(),), {}) != signature_of((1.0,), {})
+
+    runner = BreakableGraphRunner(_scaled, device="cpu", warmup_iters=0)
+    x = torch.ones(2)
+    runner.capture(x, nan())
+    out = runner(x, nan())
+    assert runner.stats.hits == 1 and runner.stats.misses == 0
+    assert bool(out.isnan().all())
+    assert runner.check_divergence(x, nan()).ok

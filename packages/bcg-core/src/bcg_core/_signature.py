@@ -19,8 +19,8 @@ container types, dict keys, field and attribute names, lengths) plus one key per
 - a :class:`ScalarInput` (a Python number the runner copies into a device scalar, see
   ``_scalars.py``): its type only, never its value;
 - constants (None, bool, int, float, complex, str, bytes, enums, dtypes, devices, sizes) by
-  value; every other leaf by identity (the runner keeps such objects alive with their entry, so
-  an id cannot be recycled under it).
+  value (every NaN of one sign is one value); every other leaf by identity (the runner
+  keeps such objects alive with their entry, so an id cannot be recycled under it).
 
 A call of plain tensors, plain values and lifted scalars only (the serving hot path, positional
 or keyword) skips the walk: its signature is built directly, equal to the one the walk gives.
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from typing import Any
 
 import torch
@@ -143,6 +144,21 @@ def _const_kind(leaf: Any) -> str:
     return type(leaf).__name__
 
 
+# One NaN object per sign: a NaN is unequal to itself and hashed by identity, so two calls
+# given NaN had two keys and a runner captured for one never replayed for the other.
+_NAN, _NEGATIVE_NAN = math.nan, -math.nan
+
+
+def _const_value(leaf: Any) -> Any:
+    """A constant as the signature keys it: a NaN (a complex's NaN parts too) as the shared NaN
+    of its sign, every other value as itself."""
+    if isinstance(leaf, float) and leaf != leaf:
+        return _NEGATIVE_NAN if math.copysign(1.0, leaf) < 0 else _NAN
+    if isinstance(leaf, complex) and leaf != leaf:
+        return (_const_value(leaf.real), _const_value(leaf.imag))
+    return leaf
+
+
 def _flat_signature(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Signature, list[torch.Tensor]] | None:
@@ -163,7 +179,7 @@ def _flat_signature(
         elif cls is ScalarInput:
             keys.append(("scalar", leaf.kind.__name__))
         elif cls in _trees.SCALARS:
-            keys.append(("const", _const_kind(leaf), leaf))
+            keys.append(("const", _const_kind(leaf), _const_value(leaf)))
         else:
             return None
         kinds.append(cls is torch.Tensor)
@@ -274,7 +290,7 @@ def walked_signature(
             if type(leaf) not in _trees.SCALARS and True in (signs := _trees.zero_signs(leaf)):
                 # a float or complex subclass (numpy's float64, complex128): its -0.0 as well
                 kind = f"{kind} with negative zeros {signs}"
-            keys.append(("const", kind, leaf))
+            keys.append(("const", kind, _const_value(leaf)))
         else:
             keys.append(("object", _object_kind(leaf), id(leaf)))
     return (spec, tuple(keys)), live
