@@ -8,7 +8,13 @@ import math
 
 import torch
 
-from bcg_core import BreakableGraphRunner, check_divergence, eager_on_graph, signature_of
+from bcg_core import (
+    BreakableGraphRunner,
+    check_divergence,
+    describe_difference,
+    eager_on_graph,
+    signature_of,
+)
 
 
 @eager_on_graph
@@ -63,3 +69,16 @@ def test_a_nan_argument_replays_the_graph_captured_for_a_nan() -> None:
     assert runner.stats.hits == 1 and runner.stats.misses == 0
     assert bool(out.isnan().all())
     assert runner.check_divergence(x, nan()).ok
+
+
+def test_describe_difference_of_a_call_of_many_tensors_stays_short() -> None:
+    # Every differing field was listed: 200 tensors of other shapes made a 17,000-character
+    # line, logged at every new miss.
+    sig = signature_of(tuple(torch.ones(i + 1) for i in range(200)), {})
+    captured = signature_of(tuple(torch.ones(i + 2) for i in range(200)), {})
+    text = describe_difference(sig, [captured])
+    assert len(text) < 1000
+    assert text.startswith("args[0]: tensor[1] torch.float32 on cpu (captured: tensor[2]")
+    assert text.endswith("... and 192 more")
+    few = describe_difference(signature_of((1, 2), {}), [signature_of((3, 4), {})])
+    assert few == "args[0]: 1 (captured: 3); args[1]: 2 (captured: 4)"

@@ -440,7 +440,18 @@ def describe_signature(sig: Signature) -> str:
     """A signature in words: each argument's path and what it is (``args[0]: tensor[2, 8]
     torch.float32 on cpu, kwargs['t']: 3``); ``no arguments`` for an empty call."""
     fields = [f"{path}: {_describe(key)}" for path, key in flatten_signature(sig).items()]
-    return ", ".join(fields) if fields else "no arguments"
+    return _joined(fields, ", ") if fields else "no arguments"
+
+
+_FIELDS_SHOWN = 8
+
+
+def _joined(fields: list[str], sep: str) -> str:
+    """The first fields joined by ``sep``, and how many more: a call of hundreds of tensors
+    made a log line (and a runner error) of tens of thousands of characters."""
+    more = len(fields) - _FIELDS_SHOWN
+    shown = fields[:_FIELDS_SHOWN] if more > 0 else fields
+    return sep.join([*shown, f"... and {more} more"] if more > 0 else shown)
 
 
 def describe_difference(sig: Signature, others: list[Signature]) -> str:
@@ -454,8 +465,8 @@ def describe_difference(sig: Signature, others: list[Signature]) -> str:
 
     Returns:
         The differing fields of the closest signature (fewest differences), joined by
-        ``"; "``, each with its value and the captured one; ``"no signature has been captured
-        yet"`` when ``others`` is empty.
+        ``"; "``, each with its value and the captured one (the first 8, then ``"... and N
+        more"``); ``"no signature has been captured yet"`` when ``others`` is empty.
     """
     if not others:
         return "no signature has been captured yet"
@@ -475,7 +486,7 @@ def describe_difference(sig: Signature, others: list[Signature]) -> str:
         if best is None or len(diffs) < len(best):
             best = diffs
     assert best is not None
-    return "; ".join(best)
+    return _joined(best, "; ")
 
 
 def _hint(mine: Any, theirs: Any) -> str:
