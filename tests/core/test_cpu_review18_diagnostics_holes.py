@@ -5,7 +5,10 @@ report, or a raw error, and is now right or said clearly."""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from bcg_core import (
@@ -15,6 +18,7 @@ from bcg_core import (
     eager_on_graph,
     signature_of,
 )
+from bcg_core.bench import main
 
 
 @eager_on_graph
@@ -82,3 +86,39 @@ def test_describe_difference_of_a_call_of_many_tensors_stays_short() -> None:
     assert text.endswith("... and 192 more")
     few = describe_difference(signature_of((1, 2), {}), [signature_of((3, 4), {})])
     assert few == "args[0]: 1 (captured: 3); args[1]: 2 (captured: 4)"
+
+
+@pytest.mark.parametrize(
+    ("source", "words"),
+    [
+        ('raise RuntimeError("boom at import")\n', ["raised RuntimeError: boom at import", ":1"]),
+        ("def f(:\n", ["raised SyntaxError", "line 1"]),
+        ("import no_such_dependency_zz\n", ["No module named 'no_such_dependency_zz'", ":1"]),
+    ],
+)
+@pytest.mark.parametrize("as_file", [True, False])
+def test_check_a_target_that_raises_on_import_gets_one_line_and_exit_code_2(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    source: str,
+    words: list[str],
+    as_file: bool,
+) -> None:
+    # A file target raising on import gave a traceback and exit status 1 ("the check failed"),
+    # leaving its half-made module in sys.modules; a module target whose own import lacked a
+    # dependency was "no module 'target'".
+    name = f"broken_target_{abs(hash(source)) % 10**8}_{as_file}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    modules = set(sys.modules)
+    target = f"{tmp_path / name}.py:f" if as_file else f"{name}:f"
+    assert main(["check", target]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith(f"bcg check: importing {tmp_path / name if as_file else name}")
+    assert "no module" not in line
+    for word in words:
+        assert word in line, line
+    assert set(sys.modules) <= modules | {"no_such_dependency_zz"}

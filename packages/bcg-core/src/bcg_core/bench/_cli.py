@@ -9,6 +9,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -174,7 +175,11 @@ def _load(target: str) -> Callable[[], Any]:
         try:
             module = importlib.import_module(source)
         except ModuleNotFoundError as exc:
+            if exc.name is None or not (source + ".").startswith(exc.name + "."):
+                raise _TargetError(_import_failure(source, exc)) from exc  # a dependency
             raise _TargetError(f"no module {source!r} ({exc}); for a file, give FILE.py") from exc
+        except Exception as exc:
+            raise _TargetError(_import_failure(source, exc)) from exc
     if not hasattr(module, attr):
         raise _TargetError(f"{source} defines no {attr!r}")
     fn = getattr(module, attr)
@@ -206,8 +211,23 @@ def _load_file(path: Path) -> types.ModuleType:
     # imports), and the module registered before it runs (dataclasses and pickling look it up).
     sys.path.insert(0, str(path.parent))
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]  # as a failed import leaves no module behind
+        raise _TargetError(_import_failure(str(path), exc)) from exc
     return module
+
+
+def _import_failure(source: str, exc: Exception) -> str:
+    """One line for a target whose import raised (a traceback, exit status 1, said "the check
+    failed"; a missing dependency was "no module" naming the target)."""
+    where = ""
+    if not isinstance(exc, SyntaxError):  # its message names the file and line already
+        frames = traceback.extract_tb(exc.__traceback__)
+        if frames:
+            where = f" at {frames[-1].filename}:{frames[-1].lineno}"
+    return f"importing {source} raised {type(exc).__name__}: {exc}{where}"
 
 
 def _is_builder_result(made: Any) -> bool:
@@ -285,13 +305,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status: 0 on success; 1 when a result is wrong (a replay differs from eager,
         a check fails); 2 for an unknown workload, a ``--json``/``--plot`` path that cannot
-        be written (said before the run), or a ``bcg check`` target that cannot be used (or
-        ``--backend cuda`` without CUDA, or a divergence option without ``--divergence``),
-        reported in one line on stderr.
+        be written (said before the run), or a ``bcg check`` target that cannot be used (not
+        found, not callable, raising on import, returning the wrong thing; or ``--backend
+        cuda`` without CUDA, or a divergence option without ``--divergence``), reported in one
+        line on stderr.
 
     Raises:
-        SystemExit: bad command-line arguments (argparse's usage error, status 2), or a
-            ``bcg check`` target that cannot be loaded or returns the wrong thing.
+        SystemExit: bad command-line arguments (argparse's usage error, status 2).
+        Exception: whatever a ``bcg check`` target raises when it is called (not a capture
+            failure: that is reported, status 1).
     """
     parser = argparse.ArgumentParser(prog="bcg", description="Breakable CUDA graphs for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
