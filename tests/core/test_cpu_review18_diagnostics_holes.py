@@ -4,17 +4,22 @@ report, or a raw error, and is now right or said clearly."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from bcg_core import (
+    BCG_FAILURE_HINT,
     BreakableGraphRunner,
+    CaptureError,
     check_divergence,
     describe_difference,
+    disable_breakable_graphs,
     eager_on_graph,
     signature_of,
 )
@@ -122,3 +127,31 @@ def test_check_a_target_that_raises_on_import_gets_one_line_and_exit_code_2(
     for word in words:
         assert word in line, line
     assert set(sys.modules) <= modules | {"no_such_dependency_zz"}
+
+
+@pytest.mark.parametrize("how", ["env", "context"])
+def test_check_divergence_where_graphs_are_disabled_refuses_before_running(
+    how: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # It ran the step's warm-up, then the capture refused and logged BCG_FAILURE_HINT, whose
+    # advice is to set the BCG_DISABLE=1 that refused it.
+    calls: list[float] = []
+
+    def step(x: torch.Tensor, scale: float) -> torch.Tensor:
+        calls.append(scale)
+        return _scaled(x, scale)
+
+    sets = [(torch.ones(2), 1.0), (torch.ones(2), 2.0)]
+    if how == "env":
+        monkeypatch.setenv("BCG_DISABLE", "1")
+        disabled: Any = contextlib.nullcontext()
+    else:
+        disabled = disable_breakable_graphs()
+    with disabled, pytest.raises(CaptureError) as info:
+        check_divergence(step, sets, backend="cpu")
+    assert "breakable graphs are disabled" in str(info.value)
+    assert ("BCG_DISABLE=1 is set" if how == "env" else "disable_breakable_graphs()") in str(
+        info.value
+    )
+    assert calls == []
+    assert BCG_FAILURE_HINT not in caplog.text

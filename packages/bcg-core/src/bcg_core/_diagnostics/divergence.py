@@ -36,7 +36,13 @@ from bcg_core._backends import (
 from bcg_core._capture.breaks import observe_breaks
 from bcg_core._capture.capture import BreakableCUDAGraphCapture
 from bcg_core._capture.context import active_capture
-from bcg_core._capture.flag import enable_breakable_cuda_graph, flag_on, flag_reset
+from bcg_core._capture.flag import (
+    breakable_graphs_disabled,
+    disabled_reason,
+    enable_breakable_cuda_graph,
+    flag_on,
+    flag_reset,
+)
 from bcg_core._capture.graph import BreakableCUDAGraph, BreakStep, SegmentStep
 from bcg_core._compare import bitwise_equal
 from bcg_core._diagnostics.divergence_report import Cause, DivergenceReport, Status, TensorDiff
@@ -181,8 +187,9 @@ def check_divergence(
             ``backend``, an input set whose structure, shapes, dtypes or devices differ from
             set 0's, or nothing to compare (no break call, no tensor returned, no argument
             written).
-        CaptureError: called inside a breakable capture, or the capture fails as in
-            :class:`BreakableCUDAGraphCapture`.
+        CaptureError: called inside a breakable capture or where breakable graphs are
+            disabled (``BCG_DISABLE``, :func:`disable_breakable_graphs`), both before anything
+            runs, or the capture fails as in :class:`BreakableCUDAGraphCapture`.
     """
     if not callable(fn):
         raise TypeError(f"check_divergence needs a callable, got {fn!r}")
@@ -209,6 +216,14 @@ def check_divergence(
         )
     if active_capture() is not None:
         raise CaptureError("check_divergence() cannot run inside a breakable capture")
+    if breakable_graphs_disabled():
+        # Else fn ran its warm-up, then the capture refused with a logged hint to set the very
+        # BCG_DISABLE=1 that refused it.
+        raise CaptureError(
+            f"check_divergence() needs to capture, but breakable graphs are disabled "
+            f"({disabled_reason()}); run the check without BCG_DISABLE (or outside "
+            "disable_breakable_graphs())"
+        )
     first = _resolve(sets[0])
     name = _pick_backend(backend, first)
     sig0, _ = signature_and_tensors(*first)
