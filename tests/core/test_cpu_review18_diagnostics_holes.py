@@ -155,3 +155,25 @@ def test_check_divergence_where_graphs_are_disabled_refuses_before_running(
     )
     assert calls == []
     assert BCG_FAILURE_HINT not in caplog.text
+
+
+@eager_on_graph
+def _next_and_total(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    return x + 1, x.sum().item()  # the float is frozen at capture
+
+
+def test_a_frozen_break_output_is_the_only_difference_named() -> None:
+    # The bridge refuses the changed float before it copies the break's tensors, so the check
+    # read the stale capture-time tensor and also reported output[0] as differing by 1,
+    # though the break computed it right.
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y, total = _next_and_total(x)
+        return y * total
+
+    report = check_divergence(step, [torch.ones(2), torch.full((2,), 2.0)], backend="cpu")
+    assert report.status == "diverged" and report.cause == "frozen_break_output"
+    assert report.observed_at == "the outputs of break '_next_and_total' (call 1)"
+    (diff,) = report.diffs
+    assert (diff.path, diff.shape, diff.max_abs_diff) == ("output[1]", None, None)
+    assert diff.detail == "eager 4.0, replay 2.0 (frozen at capture)"
+    assert "output[0]" not in str(report)

@@ -452,13 +452,45 @@ def _replay(
             if isinstance(step, SegmentStep):
                 step.segment.launcher()()
                 continue
-            # A changed plain value or structure: replay on with what the code after the
-            # break was captured with, so that the comparison names this break's outputs.
-            with contextlib.suppress(BreakOutputError):
-                step.run()
+            fresh: list[Any] = []
+            try:
+                dataclasses.replace(step, fn=_recording(step.fn, fresh)).run()
+                outputs = _freeze(step.bridge.output)
+            except BreakOutputError:
+                # A changed plain value or structure: replay on with what the code after the
+                # break was captured with, so that the comparison names this break's outputs.
+                outputs = _refused_output(step.bridge.output, fresh)
             arguments = _freeze((step.args, step.kwargs))
-            calls.append(_BreakCall(step.name, arguments, _freeze(step.bridge.output)))
+            calls.append(_BreakCall(step.name, arguments, outputs))
     return _Run(calls, _freeze(output), _freeze(call))
+
+
+def _recording(fn: Callable[..., Any], into: list[Any]) -> Callable[..., Any]:
+    """``fn``, appending each of its results to ``into``."""
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        into.append(fn(*args, **kwargs))
+        return into[-1]
+
+    return recorded
+
+
+def _refused_output(captured: Any, fresh: list[Any]) -> _Values:
+    """What the code after a break sees once its bridge refused the break's output: the
+    capture's plain values, and the break's own tensors where the structure is the same (the
+    refusal came before their copy: the stale capture-time tensors were reported as a tensor
+    difference the break never made)."""
+    frozen = _freeze(captured)
+    if not fresh:
+        return frozen
+    new = _freeze(fresh[-1])
+    if new.spec != frozen.spec:
+        return frozen
+    leaves = [
+        n if isinstance(n, torch.Tensor) and isinstance(o, torch.Tensor) else o
+        for o, n in zip(frozen.leaves, new.leaves, strict=True)
+    ]
+    return _Values(leaves, frozen.spec)
 
 
 # -- comparing -----------------------------------------------------------------------------------
