@@ -177,3 +177,27 @@ def test_a_frozen_break_output_is_the_only_difference_named() -> None:
     assert (diff.path, diff.shape, diff.max_abs_diff) == ("output[1]", None, None)
     assert diff.detail == "eager 4.0, replay 2.0 (frozen at capture)"
     assert "output[0]" not in str(report)
+
+
+HOST_SYNC_BUILDER = """
+import torch
+
+def make_check():
+    def step(x):
+        return x * x.sum().item()  # a host sync at line 6
+
+    return step, [torch.ones(2), torch.zeros(2)]
+"""
+
+
+def test_check_divergence_of_a_step_that_cannot_capture_reports_the_host_sync(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The plain check named the host sync and its line; with --divergence the same step gave
+    # HostSyncError's traceback.
+    path = tmp_path / "sync_builder.py"
+    path.write_text(HOST_SYNC_BUILDER)
+    assert main(["check", f"{path}:make_check", "--divergence"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"{path}:make_check: host synchronisation inside a graph segment: ")
+    assert "aten._local_scalar_dense.default" in out and "sync_builder.py:6" in out

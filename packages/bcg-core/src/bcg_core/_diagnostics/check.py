@@ -86,10 +86,16 @@ def check_capture(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Captu
     try:
         if failure is None:
             return CaptureCheck(ok=True, segments=graph.num_segments, breaks=graph.num_breaks)
-        notes = getattr(failure, "__notes__", ())
-        error = "; ".join([str(failure), *notes])
-        if isinstance(failure, HostSyncError):
-            return CaptureCheck(False, 0, 0, error, failure.op, failure.location)
-        return CaptureCheck(False, 0, 0, error)
+        return failed_check(failure)
     finally:
         graph.reset()
+
+
+def failed_check(failure: BreakableGraphError) -> CaptureCheck:
+    """The :class:`CaptureCheck` of a failed capture: its message with its notes, and for a
+    host synchronisation the operation and the source line."""
+    notes = getattr(failure, "__notes__", ())
+    error = "; ".join([str(failure), *notes])
+    if isinstance(failure, HostSyncError):
+        return CaptureCheck(False, 0, 0, error, failure.op, failure.location)
+    return CaptureCheck(False, 0, 0, error)

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from bcg_core import check_capture, check_divergence
+from bcg_core import CaptureError, check_capture, check_divergence
+from bcg_core._diagnostics.check import failed_check
 from bcg_core.bench._harness import EAGER, BenchContext, Contender, Measurement
 from bcg_core.bench._report import (
     print_table,
@@ -237,7 +238,8 @@ def _is_builder_result(made: Any) -> bool:
 def check(args: argparse.Namespace) -> int:
     """Run a zero-argument callable under CPU capture; report the first host sync or success.
     With ``--divergence`` the callable returns ``(fn, input_sets)`` instead, and the divergence
-    check compares eager and replay of ``fn`` over the sets. A target that cannot be used,
+    check compares eager and replay of ``fn`` over the sets (a capture that fails is reported
+    as the plain check reports it, exit code 1). A target that cannot be used,
     ``--divergence --backend cuda`` without CUDA, or a divergence option (``--backend cuda``,
     ``--atol``, ``--rtol``, ``--seed``) without ``--divergence`` gets one line on stderr and
     exit code 2."""
@@ -288,9 +290,14 @@ def _check(args: argparse.Namespace) -> int:
             f"with --divergence, {args.target} must return (fn, input_sets), got {built!r:.80}"
         )
     fn, sets = built
-    divergence = check_divergence(
-        fn, sets, backend=args.backend, atol=args.atol, rtol=args.rtol, seed=args.seed
-    )
+    try:
+        divergence = check_divergence(
+            fn, sets, backend=args.backend, atol=args.atol, rtol=args.rtol, seed=args.seed
+        )
+    except CaptureError as exc:
+        # Said as the plain check says it (a host sync's op and line), not as a traceback.
+        print(f"{args.target}: {failed_check(exc)}")
+        return 1
     print(f"{args.target}: {divergence}")
     return 0 if divergence.ok else 1
 
