@@ -201,3 +201,19 @@ def test_check_divergence_of_a_step_that_cannot_capture_reports_the_host_sync(
     out = capsys.readouterr().out
     assert out.startswith(f"{path}:make_check: host synchronisation inside a graph segment: ")
     assert "aten._local_scalar_dense.default" in out and "sync_builder.py:6" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path of bench --smoke")
+def test_bench_says_when_a_skip_matches_no_contender(capsys: pytest.CaptureFixture[str]) -> None:
+    # A misspelt --skip ("bgc") left the bcg contender in without a word, and so did one
+    # naming eager (the baseline, always timed).
+    argv = ["bench", "--smoke", "break-overhead", "--skip", "bgc", "--skip", "eager"]
+    assert main([*argv, "--skip", "full_graph"]) == 0
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if "--skip" in line]
+    assert lines == [
+        "bcg bench: --skip bgc, eager left out no contender of these workloads (timed: bcg, eager)"
+    ]  # full_graph is left out (it needs CUDA here)
+    assert main(["bench", "--smoke", "break-overhead", "--skip", "bcg"]) == 0
+    captured = capsys.readouterr()
+    assert "excluded by --skip" in captured.out and "--skip" not in captured.err

@@ -116,6 +116,17 @@ def bench(args: argparse.Namespace) -> int:
             print(f"wrote {args.plot}")
         else:
             print("--plot needs matplotlib: pip install 'bcg-core[bench]'")
+    # A misspelt --skip, or one naming a contender that is always timed (eager), left it in
+    # silently: say which names left nothing out.
+    left_out = {m.contender for m in results if m.skipped is not None}
+    unmatched = [name for name in dict.fromkeys(args.skip) if name not in left_out]
+    if unmatched:
+        timed = sorted({m.contender for m in results if m.skipped is None})
+        print(
+            f"bcg bench: --skip {', '.join(unmatched)} left out no contender of these "
+            f"workloads (timed: {', '.join(timed)})",
+            file=sys.stderr,
+        )
     wrong = [m for m in results if m.correct is False]
     for m in wrong:
         print(f"WRONG RESULT: {m.workload} {m.case} {m.contender} differs from eager")
