@@ -217,3 +217,19 @@ def test_bench_says_when_a_skip_matches_no_contender(capsys: pytest.CaptureFixtu
     assert main(["bench", "--smoke", "break-overhead", "--skip", "bcg"]) == 0
     captured = capsys.readouterr()
     assert "excluded by --skip" in captured.out and "--skip" not in captured.err
+
+
+def test_max_abs_diff_of_large_integers_is_exact() -> None:
+    # Integers were compared as doubles, which drop the low bits of a large int64: a diverged
+    # report said "max |eager - replay| = 0".
+    def ids(x: torch.Tensor, scale: int) -> torch.Tensor:
+        return (_plus_one(x) * scale).long() + 2**60
+
+    report = check_divergence(ids, [(torch.ones(3), 1), (torch.ones(3), 2)], backend="cpu")
+    assert report.status == "diverged"
+    (diff,) = report.diffs
+    assert diff.max_abs_diff == 2.0 and diff.detail == "max |eager - replay| = 2"
+    flags = check_divergence(
+        lambda x, n: _plus_one(x) > n, [(torch.ones(3), 1.0), (torch.ones(3), 3.0)], backend="cpu"
+    )
+    assert flags.diffs[0].max_abs_diff == 1.0  # bool: True against False
