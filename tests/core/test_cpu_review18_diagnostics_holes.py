@@ -233,3 +233,12 @@ def test_max_abs_diff_of_large_integers_is_exact() -> None:
         lambda x, n: _plus_one(x) > n, [(torch.ones(3), 1.0), (torch.ones(3), 3.0)], backend="cpu"
     )
     assert flags.diffs[0].max_abs_diff == 1.0  # bool: True against False
+
+
+def test_describe_difference_of_a_captured_signature_says_so() -> None:
+    # It returned "", which a log line showed as a miss without a reason.
+    sig = signature_of((torch.ones(2), 3), {"mask": None})
+    other = signature_of((torch.ones(4), 3), {"mask": None})
+    assert describe_difference(sig, [other, sig]) == (
+        "no field differs: a captured signature is this one"
+    )

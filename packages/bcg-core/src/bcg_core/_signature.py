@@ -466,7 +466,8 @@ def describe_difference(sig: Signature, others: list[Signature]) -> str:
     Returns:
         The differing fields of the closest signature (fewest differences), joined by
         ``"; "``, each with its value and the captured one (the first 8, then ``"... and N
-        more"``); ``"no signature has been captured yet"`` when ``others`` is empty.
+        more"``); ``"no signature has been captured yet"`` when ``others`` is empty, and ``"no
+        field differs: a captured signature is this one"`` when ``sig`` is among them.
     """
     if not others:
         return "no signature has been captured yet"
@@ -486,6 +487,8 @@ def describe_difference(sig: Signature, others: list[Signature]) -> str:
         if best is None or len(diffs) < len(best):
             best = diffs
     assert best is not None
+    if not best:  # it was "", which reads as a missing explanation
+        return "no field differs: a captured signature is this one"
     return _joined(best, "; ")
 
 
