@@ -242,3 +242,55 @@ def test_describe_difference_of_a_captured_signature_says_so() -> None:
     assert describe_difference(sig, [other, sig]) == (
         "no field differs: a captured signature is this one"
     )
+
+
+BAD_SETS_BUILDER = """
+import torch
+
+def shapes():
+    return (lambda x: x * 2), [torch.ones(2), torch.ones(3)]
+
+def one_set():
+    return (lambda x: x * 2), [torch.ones(2)]
+
+def nothing():
+    return (lambda x: None), [torch.ones(2), torch.ones(2)]
+
+def step_raises():
+    def step(x):
+        raise ValueError("the step's own error")
+
+    return step, [torch.ones(2), torch.ones(2)]
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("shapes", ["input set 1: args[0] is a tensor [3]"]),
+        ("one_set", ["at least two input sets"]),
+        ("nothing", ["nothing to compare"]),
+    ],
+)
+def test_check_divergence_of_sets_the_check_refuses_is_one_line_and_exit_code_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, words: list[str]
+) -> None:
+    # The builder's sets were refused with check_divergence's ValueError traceback and exit
+    # code 1, which says the check ran and failed.
+    path = tmp_path / "bad_sets.py"
+    path.write_text(BAD_SETS_BUILDER)
+    assert main(["check", f"{path}:{name}", "--divergence"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith(f"bcg check: {path}:{name}: check_divergence refused its (fn, sets): ")
+    for word in words:
+        assert word in line, line
+
+
+def test_check_divergence_lets_the_steps_own_error_raise(tmp_path: Path) -> None:
+    path = tmp_path / "bad_sets.py"
+    path.write_text(BAD_SETS_BUILDER)
+    with pytest.raises(ValueError, match="the step's own error") as info:
+        main(["check", f"{path}:step_raises", "--divergence"])
+    assert info.value.__notes__[-1].startswith("bcg divergence check: raised in the warm-up")

@@ -107,6 +107,7 @@ class _Finding:
 
 
 _EAGER_VS_REPLAY = ("eager", "replay")
+RAISED_IN = "bcg divergence check: raised in"  # the note on an exception from a run of fn
 _EAGER_VS_EAGER = ("run 1", "run 2")
 
 
@@ -392,7 +393,7 @@ def _phase(what: str) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        exc.add_note(f"bcg divergence check: raised in {what}")
+        exc.add_note(f"{RAISED_IN} {what}")
         raise
 
 

@@ -19,6 +19,7 @@ import torch
 
 from bcg_core import CaptureError, check_capture, check_divergence
 from bcg_core._diagnostics.check import failed_check
+from bcg_core._diagnostics.divergence import RAISED_IN
 from bcg_core.bench._harness import EAGER, BenchContext, Contender, Measurement
 from bcg_core.bench._report import (
     print_table,
@@ -250,7 +251,8 @@ def check(args: argparse.Namespace) -> int:
     """Run a zero-argument callable under CPU capture; report the first host sync or success.
     With ``--divergence`` the callable returns ``(fn, input_sets)`` instead, and the divergence
     check compares eager and replay of ``fn`` over the sets (a capture that fails is reported
-    as the plain check reports it, exit code 1). A target that cannot be used,
+    as the plain check reports it, exit code 1; sets the check refuses, such as one set or
+    shapes unlike set 0's, are a target that cannot be used). A target that cannot be used,
     ``--divergence --backend cuda`` without CUDA, or a divergence option (``--backend cuda``,
     ``--atol``, ``--rtol``, ``--seed``) without ``--divergence`` gets one line on stderr and
     exit code 2."""
@@ -309,6 +311,13 @@ def _check(args: argparse.Namespace) -> int:
         # Said as the plain check says it (a host sync's op and line), not as a traceback.
         print(f"{args.target}: {failed_check(exc)}")
         return 1
+    except (TypeError, ValueError) as exc:
+        if any(note.startswith(RAISED_IN) for note in getattr(exc, "__notes__", ())):
+            raise  # the step's own error, in one of the check's runs: its traceback helps
+        # The builder's (fn, input_sets) cannot be checked (one set, shapes that differ from
+        # set 0's, nothing compared): a traceback and exit code 1, "the check failed", before.
+        refused = f"{args.target}: check_divergence refused its (fn, sets): {exc}"
+        raise _TargetError(refused) from exc
     print(f"{args.target}: {divergence}")
     return 0 if divergence.ok else 1
 
@@ -324,7 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status: 0 on success; 1 when a result is wrong (a replay differs from eager,
         a check fails); 2 for an unknown workload, a ``--json``/``--plot`` path that cannot
         be written (said before the run), or a ``bcg check`` target that cannot be used (not
-        found, not callable, raising on import, returning the wrong thing; or ``--backend
+        found, not callable, raising on import, returning the wrong thing or input sets the
+        divergence check refuses; or ``--backend
         cuda`` without CUDA, or a divergence option without ``--divergence``), reported in one
         line on stderr.
 
