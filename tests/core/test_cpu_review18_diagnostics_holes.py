@@ -294,3 +294,16 @@ def test_check_divergence_lets_the_steps_own_error_raise(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="the step's own error") as info:
         main(["check", f"{path}:step_raises", "--divergence"])
     assert info.value.__notes__[-1].startswith("bcg divergence check: raised in the warm-up")
+
+
+def test_max_abs_diff_of_complex_values_is_their_distance() -> None:
+    # The real and imaginary parts were compared one by one: eager 2+2j against replay 1+1j
+    # was "max |eager - replay| = 1", not |1+1j| = 1.414.
+    def rotor(x: torch.Tensor, scale: float) -> torch.Tensor:
+        y = _plus_one(x)
+        return torch.complex(y, y) * scale
+
+    report = check_divergence(rotor, [(torch.zeros(2), 1.0), (torch.zeros(2), 2.0)], backend="cpu")
+    (diff,) = report.diffs
+    assert diff.max_abs_diff == pytest.approx(math.sqrt(2))
+    assert diff.detail == "max |eager - replay| = 1.414"

@@ -677,7 +677,8 @@ def _tensor_diff(x: torch.Tensor, y: torch.Tensor, atol: float, rtol: float) -> 
     are 0, else within ``atol + rtol * |x|`` (NaNs equal) — else max |x - y|."""
     if atol == 0 and rtol == 0 and bitwise_equal(x, y):
         return None
-    if x.is_complex():
+    was_complex = x.is_complex()
+    if was_complex:
         x, y = torch.view_as_real(x), torch.view_as_real(y)
     if x.dtype is torch.bool:
         x, y = x.to(torch.uint8), y.to(torch.uint8)
@@ -694,6 +695,8 @@ def _tensor_diff(x: torch.Tensor, y: torch.Tensor, atol: float, rtol: float) -> 
     # one side only by inf; nan_to_num made an infinite gap the largest float.
     gap = torch.where((xd == yd) | (nan_x & nan_y), 0.0, (xd - yd).abs())
     gap = torch.where(nan_x ^ nan_y, math.inf, gap)
+    if was_complex:  # |eager - replay| of complex values, not of their parts one by one
+        gap = torch.hypot(gap[..., 0], gap[..., 1])
     return float(gap.max()) if gap.numel() else 0.0
 
 
