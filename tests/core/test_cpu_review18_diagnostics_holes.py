@@ -307,3 +307,19 @@ def test_max_abs_diff_of_complex_values_is_their_distance() -> None:
     (diff,) = report.diffs
     assert diff.max_abs_diff == pytest.approx(math.sqrt(2))
     assert diff.detail == "max |eager - replay| = 1.414"
+
+
+def test_runner_stats_of_a_call_of_many_tensors_stay_short() -> None:
+    # EntryStats' repr held the raw signature: 13,000 characters for a call of 200 tensors.
+    def double_all(*xs: torch.Tensor) -> list[torch.Tensor]:
+        return [x * 2 for x in xs]
+
+    runner = BreakableGraphRunner(double_all, device="cpu", warmup_iters=0)
+    runner.capture(*[torch.ones(2) for _ in range(200)])
+    text = repr(runner.stats)
+    assert len(text) < 1500
+    (entry,) = runner.stats.entries
+    assert repr(entry).startswith(
+        "EntryStats(signature=<args[0]: tensor[2] torch.float32 on cpu, args[1]: "
+    )
+    assert "... and 192 more>, segments=1, breaks=0, pool_bytes=None, replays=0" in repr(entry)

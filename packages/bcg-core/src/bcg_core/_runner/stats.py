@@ -3,13 +3,13 @@ counters (the public result types of :class:`bcg_core.BreakableGraphRunner`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from bcg_core._signature import Signature
+from bcg_core._signature import Signature, describe_signature
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class EntryStats:
     """One captured signature of a :class:`BreakableGraphRunner`, in :attr:`RunnerStats.entries`.
 
@@ -37,6 +37,12 @@ class EntryStats:
     pool: Any
     capture_ms: float
     warmup_ms: float = 0.0
+
+    def __repr__(self) -> str:
+        # The signature in words, its first fields only: the raw key of a call of 200 tensors
+        # made a repr (and a RunnerStats') of 13,000 characters.
+        rest = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)[1:])
+        return f"EntryStats(signature=<{describe_signature(self.signature)}>, {rest})"
 
 
 @dataclass(frozen=True)
