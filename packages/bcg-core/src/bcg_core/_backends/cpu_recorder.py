@@ -25,7 +25,8 @@ Host synchronisations raise :class:`HostSyncError` at the offending call: ops th
 the host (``aten._local_scalar_dense``, which ``.item()``, ``bool()``, ``int()`` and ``float()``
 end in; ``aten.equal``), ops whose output shape depends on values (``nonzero``, ``masked_select``,
 ``unique``, boolean-mask indexing ...), linear algebra error checks (CUDA reads the info tensor of
-``linalg.inv``, ``solve``, ``cholesky`` ... on the host), ``histc`` without a range, and three
+``linalg.inv``, ``solve``, ``cholesky`` ... and of every ``svd``, ``eigh``, ``eig`` on the host),
+``histc`` without a range, and three
 Python-level reads that dispatch nothing on CPU tensors: ``Tensor.tolist``, ``Tensor.numpy`` and
 ``Tensor.__repr__`` (printing). The latter are caught by wrappers installed on ``torch.Tensor``
 while any CPU segment is being captured (refcounted, always removed); they act only in the context
@@ -86,6 +87,9 @@ _MASK_INDEXING = _packets("index", "index_put", "index_put_", "_index_put_impl_"
 # CUDA's linalg error check reads the info tensor on the host (infos.any().item()); the CPU kernel
 # reads it too, but below the dispatcher, so only the op (and the _ex ops' check_errors) shows it.
 _LINALG_CHECKS = _packets("_linalg_check_errors")
+# Decompositions whose kernels always end in that check (no variant skips it), unless empty;
+# torch.linalg.svdvals, eigvalsh, eigvals, matrix_rank, matrix_norm(2), cond run through them.
+_LINALG_CONVERGENCE = _packets("_linalg_svd", "_linalg_eigh", "linalg_eig", "linalg_pinv")
 
 _READS_VALUE = (
     "reads a tensor value on the host (.item(), bool(tensor), int(tensor), float(tensor), "
@@ -101,6 +105,11 @@ _LINALG = (
     "(torch.linalg.inv, solve, cholesky, lu_factor ... and the _ex variants with "
     "check_errors=True); call the _ex variant (torch.linalg.inv_ex ...) without check_errors "
     "and check its info tensor after the replay"
+)
+_CONVERGENCE = (
+    "checks a decomposition for convergence by reading its info tensor on the host "
+    "(torch.linalg.svd, svdvals, eigh, eigvalsh, eig, eigvals, pinv, matrix_rank, "
+    "matrix_norm(ord=2) ...; no variant skips the check); compute it in an @eager_on_graph break"
 )
 _HISTC = (
     "computes its range from the tensor's min and max on the host (torch.histc without "
@@ -125,6 +134,8 @@ def host_sync_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         return _MASK if any(masks) else None
     if packet in _LINALG_CHECKS or kwargs.get("check_errors") is True:
         return _LINALG
+    if packet in _LINALG_CONVERGENCE:
+        return _CONVERGENCE if args[0].numel() else None
     if packet is _ATEN.histc:
         # CUDA's histc takes the range from self.min() and self.max() on the host when min == max.
         low = args[2] if len(args) > 2 else kwargs.get("min", 0)
