@@ -12,10 +12,12 @@ import torch
 from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
+    CaptureError,
     check_capture,
+    eager_on_graph,
     enable_breakable_cuda_graph,
 )
-from bcg_core._errors import HostSyncError  # noqa: PLC2701
+from bcg_core._errors import HostSyncError, capture_refusal_hint  # noqa: PLC2701
 
 
 def _capture(fn: Callable[[], Any]) -> tuple[BreakableCUDAGraph, Any]:
@@ -61,3 +63,42 @@ def test_a_decomposition_of_an_empty_matrix_still_captures() -> None:
     graph, (_, s, _) = _capture(lambda: torch.linalg.svd(torch.zeros(0, 0) * 1))
     graph.replay()
     assert s.shape == (0,)
+
+
+def test_a_draw_from_a_private_generator_is_refused_as_on_cuda() -> None:
+    # torch refuses a random op on a CUDA generator the graph was not given ("Attempt to
+    # increase offset for a CUDA generator not in capture mode"); the CPU backend captured it
+    # and drew from it at every replay, so check_capture said ok for a step CUDA cannot capture.
+    gen = torch.Generator().manual_seed(0)
+    x = torch.zeros(3)
+    with pytest.raises(CaptureError, match=r"private torch\.Generator") as info:
+        _capture(lambda: x + torch.rand(3, generator=gen))
+    assert "@eager_on_graph" in str(info.value) and "test_cpu_review17" in str(info.value)
+    assert not check_capture(lambda t: t.uniform_(generator=gen), x).ok
+    # On CUDA the runner's capture-failure reason carries the same advice for torch's error.
+    cuda = RuntimeError("Attempt to increase offset for a CUDA generator not in capture mode.")
+    assert "default generator" in (capture_refusal_hint(cuda) or "")
+    # The default generator, named or not, is the graph's own: drawn anew at every replay.
+    graph, out = _capture(lambda: x + torch.rand(3, generator=torch.default_generator))
+    first = out.clone()
+    graph.replay()
+    assert not torch.equal(out, first)
+    # Nothing was left behind: the next capture records.
+    graph, out = _capture(lambda: x + 1)
+    x.fill_(2)
+    graph.replay()
+    assert out.tolist() == [3.0, 3.0, 3.0]
+
+
+def test_a_private_generator_in_a_break_replays() -> None:
+    gen = torch.Generator().manual_seed(0)
+
+    @eager_on_graph(name="review17.noise")
+    def noise(t: torch.Tensor) -> torch.Tensor:
+        return t + torch.rand(t.shape, generator=gen)
+
+    x = torch.zeros(3)
+    graph, out = _capture(lambda: noise(x * 1) * 2)
+    first = out.clone()
+    graph.replay()
+    assert not torch.equal(out, first)

@@ -21,6 +21,11 @@ frozen right after the op ran, so a later metadata mutation cannot change what a
 reads or writes, and a static input whose storage is replaced is not followed (as with CUDA
 graphs, which keep reading the captured address).
 
+A random op drawing from a private ``torch.Generator`` (not the default one) raises
+:class:`CaptureError` before it runs, as torch's check does on CUDA, where a graph draws only from
+the generators registered with it (not under :func:`record_source_locations`: the divergence check
+captures such draws to name the generator).
+
 Host synchronisations raise :class:`HostSyncError` at the offending call: ops that read a value on
 the host (``aten._local_scalar_dense``, which ``.item()``, ``bool()``, ``int()`` and ``float()``
 end in; ``aten.equal``), ops whose output shape depends on values (``nonzero``, ``masked_select``,
@@ -150,6 +155,28 @@ def host_sync_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     if packet in _DYNAMIC_SHAPES or torch.Tag.dynamic_output_shape in tags:
         return _DYNAMIC_SHAPE
     return None
+
+
+def private_generator_error(op: str, location: str | None) -> CaptureError:
+    where = f" at {location}" if location else ""
+    return CaptureError(
+        f"{op}{where} draws from a private torch.Generator inside a graph segment. A CUDA graph "
+        "draws only from the generators registered with it (bcg registers the default one), and "
+        "torch refuses any other during capture ('Attempt to increase offset for a CUDA "
+        "generator not in capture mode'). Draw from the default generator (seeded by "
+        "torch.manual_seed), or move the draw into a function decorated with @eager_on_graph. "
+        "(Detected by the CPU graph backend, which enforces CUDA graph capture rules.)"
+    )
+
+
+def _private_generator(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an op's arguments name a generator other than the default one (the dispatcher
+    hands over another Python object for it: compared by the C++ generator's address)."""
+    default = getattr(torch.default_generator, "_cdata", None)
+    return any(
+        isinstance(a, torch.Generator) and getattr(a, "_cdata", default) != default
+        for a in itertools.chain(args, kwargs.values())
+    )
 
 
 def host_sync_error(op: str, reason: str, location: str | None) -> HostSyncError:
@@ -392,6 +419,9 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         # compile, and new_recorder() picks _CompilingRecorder otherwise.
         return False
 
+    # A random op on a private generator is refused as on CUDA (see private_generator_error).
+    refuses_private_generators = True
+
     def __init__(self, graph_memory: set[int] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.capture_id = next(_capture_ids)
@@ -484,6 +514,9 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         reason = host_sync_reason(func, args, kwargs)
         if reason is not None:
             self.host_sync(str(func), reason)
+        if self.refuses_private_generators and _private_generator(args, kwargs):
+            # Raised before the op runs and not invalidating, as torch's check on CUDA.
+            raise private_generator_error(str(func), user_location())
         packet = func.overloadpacket
         before = None
         if packet in _RESIZES and args:
@@ -576,7 +609,12 @@ def record_source_locations() -> Iterator[None]:
 class LocatingRecorder(_CompilingRecorder):  # type: ignore[no-untyped-call]
     """A recorder that also notes :func:`user_location` of every operation the segment issues
     (allocations and views too: ``torch.tensor(host_list)`` is one); a separate kind, so that
-    capture without locations pays nothing for them (opaque to dynamo: it only runs in checks)."""
+    capture without locations pays nothing for them (opaque to dynamo: it only runs in checks).
+
+    It lets random ops on a private generator through: the divergence check, its user, captures
+    them so that it can name the generator as the cause (``private_generator``)."""
+
+    refuses_private_generators = False
 
     def __init__(self, graph_memory: set[int] | None = None) -> None:
         super().__init__(graph_memory)
