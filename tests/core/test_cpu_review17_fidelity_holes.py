@@ -16,7 +16,9 @@ from bcg_core import (
     check_capture,
     eager_on_graph,
     enable_breakable_cuda_graph,
+    get_current_stream,
 )
+from bcg_core._backends import backend_for  # noqa: PLC2701
 from bcg_core._errors import HostSyncError, capture_refusal_hint  # noqa: PLC2701
 
 
@@ -102,3 +104,41 @@ def test_a_private_generator_in_a_break_replays() -> None:
     first = out.clone()
     graph.replay()
     assert not torch.equal(out, first)
+
+
+@pytest.mark.parametrize(
+    ("what", "sync"),
+    [
+        ("Stream.synchronize", lambda: get_current_stream().synchronize()),
+        ("Event.synchronize", lambda: backend_for("cpu").new_event().synchronize()),
+        ("synchronize", lambda: backend_for("cpu").synchronize()),
+    ],
+    ids=["stream", "event", "backend"],
+)
+def test_waiting_for_the_device_inside_a_segment_is_a_host_sync(
+    what: str, sync: Callable[[], None]
+) -> None:
+    # cudaStreamSynchronize / cudaEventSynchronize / cudaDeviceSynchronize inside a capture are
+    # refused (and invalidate it); the CPU stand-ins did nothing, so the capture went on.
+    x = torch.ones(3)
+
+    def step() -> torch.Tensor:
+        y = x * 2
+        sync()
+        return y + 1
+
+    with pytest.raises(HostSyncError, match=what) as info:
+        _capture(step)
+    assert "@eager_on_graph" in str(info.value)
+    assert not check_capture(step).ok
+    sync()  # outside a segment: nothing to wait for
+
+    @eager_on_graph(name="review17.waits")
+    def waits(t: torch.Tensor) -> torch.Tensor:
+        sync()  # a break runs eagerly: waiting is fine there
+        return t + 1
+
+    graph, out = _capture(lambda: waits(x * 2))
+    x.fill_(3)
+    graph.replay()
+    assert out.tolist() == [7.0, 7.0, 7.0]

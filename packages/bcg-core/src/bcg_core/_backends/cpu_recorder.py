@@ -27,18 +27,19 @@ the generators registered with it (not under :func:`record_source_locations`: th
 captures such draws to name the generator).
 
 Host synchronisations raise :class:`HostSyncError` at the offending call: ops that read a value on
-the host (``aten._local_scalar_dense``, which ``.item()``, ``bool()``, ``int()`` and ``float()``
-end in; ``aten.equal``), ops whose output shape depends on values (``nonzero``, ``masked_select``,
+the host (``aten._local_scalar_dense``, which ``.item()``, ``bool()``, ``int()`` and ``float()`` end
+in; ``aten.equal``), ops whose output shape depends on values (``nonzero``, ``masked_select``,
 ``unique``, boolean-mask indexing ...), linear algebra error checks (CUDA reads the info tensor of
 ``linalg.inv``, ``solve``, ``cholesky`` ... and of every ``svd``, ``eigh``, ``eig`` on the host),
-``histc`` without a range, and three
-Python-level reads that dispatch nothing on CPU tensors: ``Tensor.tolist``, ``Tensor.numpy`` and
-``Tensor.__repr__`` (printing). The latter are caught by wrappers installed on ``torch.Tensor``
-while any CPU segment is being captured (refcounted, always removed); they act only in the context
-that is capturing. So is ``torch.cuda.is_current_stream_capturing``, which answers True in that
-context, as it does inside a CUDA capture: code that takes another path under a capture
-(transformers' ``is_tracing()`` skips GPT-2's padding check, a host read, and mask shortcuts)
-takes the capture's path on the CPU backend too.
+``histc`` without a range, and three Python-level reads that dispatch nothing on CPU tensors:
+``Tensor.tolist``, ``Tensor.numpy`` and ``Tensor.__repr__`` (printing); and waits for the device:
+``synchronize()`` of the CPU stand-in streams, events and backend (:func:`host_wait`). The
+Python-level reads are caught by wrappers installed on ``torch.Tensor`` while any CPU segment is
+being captured (refcounted, always removed); they act only in the context that is capturing. So is
+``torch.cuda.is_current_stream_capturing``, which answers True in that context, as it does inside a
+CUDA capture: code that takes another path under a capture (transformers' ``is_tracing()`` skips
+GPT-2's padding check, a host read, and mask shortcuts) takes the capture's path on the CPU backend
+too.
 """
 
 from __future__ import annotations
@@ -215,6 +216,15 @@ def _hook(name: str, reason: str, original: Callable[..., Any]) -> Callable[...,
     hooked.__qualname__ = op
     hooked.__doc__ = original.__doc__
     return hooked
+
+
+def host_wait(op: str) -> None:
+    """Raise :class:`HostSyncError` for ``op``, a wait for the device (the CPU stand-ins of
+    stream, event and device synchronisation), when a CPU segment is captured in this context:
+    CUDA refuses the wait inside a capture and invalidates it."""
+    recorder = _ACTIVE.get()
+    if recorder is not None:
+        recorder.host_sync(op, "waits on the host for the device's work to finish")
 
 
 def _capturing_hook(original: Callable[[], bool]) -> Callable[[], bool]:
