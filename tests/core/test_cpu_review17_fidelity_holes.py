@@ -142,3 +142,27 @@ def test_waiting_for_the_device_inside_a_segment_is_a_host_sync(
     x.fill_(3)
     graph.replay()
     assert out.tolist() == [7.0, 7.0, 7.0]
+
+
+def test_reseeding_inside_a_segment_is_refused_or_a_no_op_as_on_cuda() -> None:
+    # CUDA's generator refuses a new seed during capture ("set_current_seed can be called during
+    # stream capture only if new seed is the same as the original seed") and ignores the same
+    # seed. The CPU backend reseeded at capture (replays never did), so a segment reseeding to
+    # another value captured, and one reseeding to the same value drew other numbers than CUDA.
+    torch.manual_seed(5)
+    x = torch.zeros(2)
+    with pytest.raises(CaptureError, match="seed") as info:
+        _capture(lambda: (torch.manual_seed(6), x + torch.rand(2))[1])
+    assert "@eager_on_graph" in str(info.value)
+    with pytest.raises(CaptureError, match="seed"):
+        _capture(lambda: (torch.seed(), x + 1)[1])
+    assert torch.initial_seed() == 5
+    torch.manual_seed(5)
+    expected = torch.rand(4)
+    torch.manual_seed(5)
+    graph, out = _capture(lambda: (torch.random.manual_seed(5), x + torch.rand(2))[1])
+    assert out.tolist() == expected[:2].tolist()  # the same seed did not reset the generator
+    graph.replay()
+    assert out.tolist() == expected[2:].tolist()
+    torch.manual_seed(7)  # outside a segment: reseeds as always
+    assert torch.initial_seed() == 7 and torch.manual_seed is torch.random.manual_seed

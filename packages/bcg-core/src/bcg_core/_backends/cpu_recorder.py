@@ -24,7 +24,9 @@ graphs, which keep reading the captured address).
 A random op drawing from a private ``torch.Generator`` (not the default one) raises
 :class:`CaptureError` before it runs, as torch's check does on CUDA, where a graph draws only from
 the generators registered with it (not under :func:`record_source_locations`: the divergence check
-captures such draws to name the generator).
+captures such draws to name the generator). ``torch.manual_seed`` to another seed and
+``torch.seed()`` inside a segment raise too, and ``torch.manual_seed`` to the current seed does
+nothing, as CUDA's generator does during capture.
 
 Host synchronisations raise :class:`HostSyncError` at the offending call: ops that read a value on
 the host (``aten._local_scalar_dense``, which ``.item()``, ``bool()``, ``int()`` and ``float()`` end
@@ -227,6 +229,52 @@ def host_wait(op: str) -> None:
         recorder.host_sync(op, "waits on the host for the device's work to finish")
 
 
+def _reseed_error(op: str) -> CaptureError:
+    location = user_location()
+    where = f" at {location}" if location else ""
+    return CaptureError(
+        f"{op}{where} reseeds the generator inside a graph segment. CUDA's generator refuses a "
+        "new seed during capture ('set_current_seed can be called during stream capture only if "
+        "new seed is the same as the original seed') and ignores the same one; a replay never "
+        "reseeds. Seed before the capture or the replay, or in a function decorated with "
+        "@eager_on_graph. (Detected by the CPU graph backend, which enforces CUDA graph capture "
+        "rules.)"
+    )
+
+
+def _manual_seed_hook(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def manual_seed(seed: Any) -> Any:
+        if _ACTIVE.get() is None:
+            return original(seed)
+        wanted = int(seed)
+        if wanted < 0:  # torch's own remapping of negative seeds
+            wanted += 0xFFFF_FFFF_FFFF_FFFF
+        if wanted != torch.default_generator.initial_seed():
+            raise _reseed_error("torch.manual_seed")
+        return torch.default_generator  # the same seed: CUDA's generator ignores it in a capture
+
+    manual_seed.__doc__ = original.__doc__
+    return manual_seed
+
+
+def _seed_hook(original: Callable[[], int]) -> Callable[[], int]:
+    def seed() -> int:
+        if _ACTIVE.get() is not None:
+            raise _reseed_error("torch.seed")
+        return original()
+
+    seed.__doc__ = original.__doc__
+    return seed
+
+
+# torch.manual_seed and torch.seed are torch.random's functions: one wrapper serves both names.
+_SEEDING: tuple[tuple[str, Callable[[Any], Any]], ...] = (
+    ("manual_seed", _manual_seed_hook),
+    ("seed", _seed_hook),
+)
+_saved_seeding: dict[str, Any] = {}
+
+
 def _capturing_hook(original: Callable[[], bool]) -> Callable[[], bool]:
     def is_current_stream_capturing() -> bool:
         return _ACTIVE.get() is not None or original()
@@ -237,8 +285,9 @@ def _capturing_hook(original: Callable[[], bool]) -> Callable[[], bool]:
 
 @contextlib.contextmanager
 def host_read_hooks() -> Iterator[None]:
-    """Wrap ``Tensor.tolist``/``numpy``/``__repr__`` and ``torch.cuda.is_current_stream_capturing``
-    for the enclosed block (refcounted)."""
+    """Wrap ``Tensor.tolist``/``numpy``/``__repr__``, ``torch.cuda.is_current_stream_capturing``
+    and ``torch.manual_seed``/``torch.seed`` (also as ``torch.random``'s) for the enclosed block
+    (refcounted)."""
     global _hooks_refcount, _saved_capturing
     with _hooks_lock:
         if _hooks_refcount == 0:
@@ -247,6 +296,11 @@ def host_read_hooks() -> Iterator[None]:
                 setattr(torch.Tensor, name, _hook(name, reason, getattr(torch.Tensor, name)))
             _saved_capturing = torch.cuda.is_current_stream_capturing
             torch.cuda.is_current_stream_capturing = _capturing_hook(_saved_capturing)
+            for name, make in _SEEDING:
+                _saved_seeding[name] = getattr(torch.random, name)
+                hooked = make(_saved_seeding[name])
+                setattr(torch.random, name, hooked)
+                setattr(torch, name, hooked)
         _hooks_refcount += 1
     try:
         yield
@@ -261,6 +315,10 @@ def host_read_hooks() -> Iterator[None]:
                         setattr(torch.Tensor, name, own)
                 _saved.clear()
                 torch.cuda.is_current_stream_capturing = _saved_capturing
+                for name, own in _saved_seeding.items():
+                    setattr(torch.random, name, own)
+                    setattr(torch, name, own)
+                _saved_seeding.clear()
 
 
 # -- recording ------------------------------------------------------------------------------------
