@@ -166,3 +166,22 @@ def test_reseeding_inside_a_segment_is_refused_or_a_no_op_as_on_cuda() -> None:
     assert out.tolist() == expected[2:].tolist()
     torch.manual_seed(7)  # outside a segment: reseeds as always
     assert torch.initial_seed() == 7 and torch.manual_seed is torch.random.manual_seed
+
+
+def test_a_copy_to_the_host_inside_a_segment_is_a_host_sync() -> None:
+    # .cpu() in code written for a device copies to the host and waits for it, which a CUDA
+    # capture refuses; on CPU tensors it is a no-op that dispatches nothing, so it captured.
+    x = torch.ones(3)
+    with pytest.raises(HostSyncError, match=r"Tensor\.cpu") as info:
+        _capture(lambda: (x * 2).cpu() + 1)
+    assert "@eager_on_graph" in str(info.value)
+    assert x.cpu() is x and "Tensor.cpu" not in repr(torch.Tensor.cpu)  # hook removed
+
+    @eager_on_graph(name="review17.to_host")
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        return t.cpu() + 1  # a break runs eagerly: copying to the host is fine there
+
+    graph, out = _capture(lambda: to_host(x * 2))
+    x.fill_(3)
+    graph.replay()
+    assert out.tolist() == [7.0, 7.0, 7.0]

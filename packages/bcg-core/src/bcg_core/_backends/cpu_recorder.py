@@ -33,15 +33,15 @@ the host (``aten._local_scalar_dense``, which ``.item()``, ``bool()``, ``int()``
 in; ``aten.equal``), ops whose output shape depends on values (``nonzero``, ``masked_select``,
 ``unique``, boolean-mask indexing ...), linear algebra error checks (CUDA reads the info tensor of
 ``linalg.inv``, ``solve``, ``cholesky`` ... and of every ``svd``, ``eigh``, ``eig`` on the host),
-``histc`` without a range, and three Python-level reads that dispatch nothing on CPU tensors:
-``Tensor.tolist``, ``Tensor.numpy`` and ``Tensor.__repr__`` (printing); and waits for the device:
-``synchronize()`` of the CPU stand-in streams, events and backend (:func:`host_wait`). The
-Python-level reads are caught by wrappers installed on ``torch.Tensor`` while any CPU segment is
-being captured (refcounted, always removed); they act only in the context that is capturing. So is
-``torch.cuda.is_current_stream_capturing``, which answers True in that context, as it does inside a
-CUDA capture: code that takes another path under a capture (transformers' ``is_tracing()`` skips
-GPT-2's padding check, a host read, and mask shortcuts) takes the capture's path on the CPU backend
-too.
+``histc`` without a range, and four Python-level reads that dispatch nothing on CPU tensors:
+``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.__repr__`` (printing) and ``Tensor.cpu``; and waits
+for the device: ``synchronize()`` of the CPU stand-in streams, events and backend
+(:func:`host_wait`). The Python-level reads are caught by wrappers installed on ``torch.Tensor``
+while any CPU segment is being captured (refcounted, always removed); they act only in the context
+that is capturing. So is ``torch.cuda.is_current_stream_capturing``, which answers True in that
+context, as it does inside a CUDA capture: code that takes another path under a capture
+(transformers' ``is_tracing()`` skips GPT-2's padding check, a host read, and mask shortcuts) takes
+the capture's path on the CPU backend too.
 """
 
 from __future__ import annotations
@@ -126,6 +126,8 @@ _HISTC = (
 _PYTHON_READS = {
     "tolist": "copies the tensor's values to the host",
     "numpy": "hands the tensor's values to NumPy on the host",
+    # A no-op on a CPU tensor; in code written for a device it copies to the host and waits.
+    "cpu": "copies the tensor to the host, which waits for the device",
     "__repr__": "prints or formats a tensor, which reads its values on the host",
 }
 
@@ -285,9 +287,9 @@ def _capturing_hook(original: Callable[[], bool]) -> Callable[[], bool]:
 
 @contextlib.contextmanager
 def host_read_hooks() -> Iterator[None]:
-    """Wrap ``Tensor.tolist``/``numpy``/``__repr__``, ``torch.cuda.is_current_stream_capturing``
-    and ``torch.manual_seed``/``torch.seed`` (also as ``torch.random``'s) for the enclosed block
-    (refcounted)."""
+    """Wrap ``Tensor.tolist``/``numpy``/``__repr__``/``cpu``,
+    ``torch.cuda.is_current_stream_capturing`` and ``torch.manual_seed``/``torch.seed`` (also as
+    ``torch.random``'s) for the enclosed block (refcounted)."""
     global _hooks_refcount, _saved_capturing
     with _hooks_lock:
         if _hooks_refcount == 0:
