@@ -20,6 +20,12 @@ _CAPTURE_REFUSALS = (
         "@eager_on_graph function.",
     ),
     (
+        "Attempt to increase offset for a CUDA generator not in capture mode",
+        "bcg: a segment draws from a private torch.Generator, which a graph draws from only if "
+        "registered with it (bcg registers the default one): draw from the default generator "
+        "(seeded by torch.manual_seed), or move the draw into an @eager_on_graph function.",
+    ),
+    (
         "operation not permitted when stream is capturing",
         "bcg: a segment synchronises with the host (.item(), .tolist(), .cpu(), printing a "
         "tensor, a data-dependent shape such as nonzero()): move that call into an "

@@ -31,6 +31,7 @@ from bcg_core._backends.cpu_recorder import (
     LocatingRecorder,
     Recorder,
     Step,
+    host_wait,
     new_recorder,
 )
 from bcg_core._backends.seam import CaptureInfo, CaptureStatus, StreamObserver
@@ -54,7 +55,9 @@ class CpuStream:
         """Nothing to wait for: CPU work is synchronous."""
 
     def synchronize(self) -> None:
-        """Nothing to wait for: CPU work is synchronous."""
+        """Nothing to wait for (CPU work is synchronous); inside a graph segment a
+        :class:`HostSyncError`, as CUDA refuses a stream synchronisation in a capture."""
+        host_wait("Stream.synchronize")
 
     def query(self) -> bool:
         return True
@@ -73,7 +76,9 @@ class CpuEvent:
         """Nothing to wait for: CPU work is synchronous."""
 
     def synchronize(self) -> None:
-        """Nothing to wait for: CPU work is synchronous."""
+        """Nothing to wait for (CPU work is synchronous); inside a graph segment a
+        :class:`HostSyncError`, as CUDA refuses an event synchronisation in a capture."""
+        host_wait("Event.synchronize")
 
 
 _DEFAULT_STREAM = CpuStream()
@@ -253,7 +258,9 @@ class CpuBackend:
         return CaptureInfo(status, segment.capture_id)
 
     def synchronize(self, streams: Sequence[Any] | None = None) -> None:
-        """Nothing to wait for: CPU work is synchronous."""
+        """Nothing to wait for (CPU work is synchronous); inside a graph segment a
+        :class:`HostSyncError`, as CUDA refuses a synchronisation in a capture."""
+        host_wait("synchronize")
 
     def recover_after_failure(self, pool: Any) -> None:
         """Nothing is routed to CPU pools."""

@@ -21,18 +21,27 @@ frozen right after the op ran, so a later metadata mutation cannot change what a
 reads or writes, and a static input whose storage is replaced is not followed (as with CUDA
 graphs, which keep reading the captured address).
 
+A random op drawing from a private ``torch.Generator`` (not the default one) raises
+:class:`CaptureError` before it runs, as torch's check does on CUDA, where a graph draws only from
+the generators registered with it (not under :func:`record_source_locations`: the divergence check
+captures such draws to name the generator). ``torch.manual_seed`` to another seed and
+``torch.seed()`` inside a segment raise too, and ``torch.manual_seed`` to the current seed does
+nothing, as CUDA's generator does during capture.
+
 Host synchronisations raise :class:`HostSyncError` at the offending call: ops that read a value on
-the host (``aten._local_scalar_dense``, which ``.item()``, ``bool()``, ``int()`` and ``float()``
-end in; ``aten.equal``), ops whose output shape depends on values (``nonzero``, ``masked_select``,
+the host (``aten._local_scalar_dense``, which ``.item()``, ``bool()``, ``int()`` and ``float()`` end
+in; ``aten.equal``), ops whose output shape depends on values (``nonzero``, ``masked_select``,
 ``unique``, boolean-mask indexing ...), linear algebra error checks (CUDA reads the info tensor of
-``linalg.inv``, ``solve``, ``cholesky`` ... on the host), ``histc`` without a range, and three
-Python-level reads that dispatch nothing on CPU tensors: ``Tensor.tolist``, ``Tensor.numpy`` and
-``Tensor.__repr__`` (printing). The latter are caught by wrappers installed on ``torch.Tensor``
+``linalg.inv``, ``solve``, ``cholesky`` ... and of every ``svd``, ``eigh``, ``eig`` on the host),
+``histc`` without a range, and four Python-level reads that dispatch nothing on CPU tensors:
+``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.__repr__`` (printing) and ``Tensor.cpu``; and waits
+for the device: ``synchronize()`` of the CPU stand-in streams, events and backend
+(:func:`host_wait`). The Python-level reads are caught by wrappers installed on ``torch.Tensor``
 while any CPU segment is being captured (refcounted, always removed); they act only in the context
 that is capturing. So is ``torch.cuda.is_current_stream_capturing``, which answers True in that
 context, as it does inside a CUDA capture: code that takes another path under a capture
-(transformers' ``is_tracing()`` skips GPT-2's padding check, a host read, and mask shortcuts)
-takes the capture's path on the CPU backend too.
+(transformers' ``is_tracing()`` skips GPT-2's padding check, a host read, and mask shortcuts) takes
+the capture's path on the CPU backend too.
 """
 
 from __future__ import annotations
@@ -86,6 +95,9 @@ _MASK_INDEXING = _packets("index", "index_put", "index_put_", "_index_put_impl_"
 # CUDA's linalg error check reads the info tensor on the host (infos.any().item()); the CPU kernel
 # reads it too, but below the dispatcher, so only the op (and the _ex ops' check_errors) shows it.
 _LINALG_CHECKS = _packets("_linalg_check_errors")
+# Decompositions whose kernels always end in that check (no variant skips it), unless empty;
+# torch.linalg.svdvals, eigvalsh, eigvals, matrix_rank, matrix_norm(2), cond run through them.
+_LINALG_CONVERGENCE = _packets("_linalg_svd", "_linalg_eigh", "linalg_eig", "linalg_pinv")
 
 _READS_VALUE = (
     "reads a tensor value on the host (.item(), bool(tensor), int(tensor), float(tensor), "
@@ -102,6 +114,11 @@ _LINALG = (
     "check_errors=True); call the _ex variant (torch.linalg.inv_ex ...) without check_errors "
     "and check its info tensor after the replay"
 )
+_CONVERGENCE = (
+    "checks a decomposition for convergence by reading its info tensor on the host "
+    "(torch.linalg.svd, svdvals, eigh, eigvalsh, eig, eigvals, pinv, matrix_rank, "
+    "matrix_norm(ord=2) ...; no variant skips the check); compute it in an @eager_on_graph break"
+)
 _HISTC = (
     "computes its range from the tensor's min and max on the host (torch.histc without "
     "min < max); pass the range: torch.histc(x, bins, min=..., max=...)"
@@ -109,6 +126,8 @@ _HISTC = (
 _PYTHON_READS = {
     "tolist": "copies the tensor's values to the host",
     "numpy": "hands the tensor's values to NumPy on the host",
+    # A no-op on a CPU tensor; in code written for a device it copies to the host and waits.
+    "cpu": "copies the tensor to the host, which waits for the device",
     "__repr__": "prints or formats a tensor, which reads its values on the host",
 }
 
@@ -125,6 +144,8 @@ def host_sync_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         return _MASK if any(masks) else None
     if packet in _LINALG_CHECKS or kwargs.get("check_errors") is True:
         return _LINALG
+    if packet in _LINALG_CONVERGENCE:
+        return _CONVERGENCE if args[0].numel() else None
     if packet is _ATEN.histc:
         # CUDA's histc takes the range from self.min() and self.max() on the host when min == max.
         low = args[2] if len(args) > 2 else kwargs.get("min", 0)
@@ -139,6 +160,28 @@ def host_sync_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     if packet in _DYNAMIC_SHAPES or torch.Tag.dynamic_output_shape in tags:
         return _DYNAMIC_SHAPE
     return None
+
+
+def private_generator_error(op: str, location: str | None) -> CaptureError:
+    where = f" at {location}" if location else ""
+    return CaptureError(
+        f"{op}{where} draws from a private torch.Generator inside a graph segment. A CUDA graph "
+        "draws only from the generators registered with it (bcg registers the default one), and "
+        "torch refuses any other during capture ('Attempt to increase offset for a CUDA "
+        "generator not in capture mode'). Draw from the default generator (seeded by "
+        "torch.manual_seed), or move the draw into a function decorated with @eager_on_graph. "
+        "(Detected by the CPU graph backend, which enforces CUDA graph capture rules.)"
+    )
+
+
+def _private_generator(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an op's arguments name a generator other than the default one (the dispatcher
+    hands over another Python object for it: compared by the C++ generator's address)."""
+    default = getattr(torch.default_generator, "_cdata", None)
+    return any(
+        isinstance(a, torch.Generator) and getattr(a, "_cdata", default) != default
+        for a in itertools.chain(args, kwargs.values())
+    )
 
 
 def host_sync_error(op: str, reason: str, location: str | None) -> HostSyncError:
@@ -179,6 +222,61 @@ def _hook(name: str, reason: str, original: Callable[..., Any]) -> Callable[...,
     return hooked
 
 
+def host_wait(op: str) -> None:
+    """Raise :class:`HostSyncError` for ``op``, a wait for the device (the CPU stand-ins of
+    stream, event and device synchronisation), when a CPU segment is captured in this context:
+    CUDA refuses the wait inside a capture and invalidates it."""
+    recorder = _ACTIVE.get()
+    if recorder is not None:
+        recorder.host_sync(op, "waits on the host for the device's work to finish")
+
+
+def _reseed_error(op: str) -> CaptureError:
+    location = user_location()
+    where = f" at {location}" if location else ""
+    return CaptureError(
+        f"{op}{where} reseeds the generator inside a graph segment. CUDA's generator refuses a "
+        "new seed during capture ('set_current_seed can be called during stream capture only if "
+        "new seed is the same as the original seed') and ignores the same one; a replay never "
+        "reseeds. Seed before the capture or the replay, or in a function decorated with "
+        "@eager_on_graph. (Detected by the CPU graph backend, which enforces CUDA graph capture "
+        "rules.)"
+    )
+
+
+def _manual_seed_hook(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def manual_seed(seed: Any) -> Any:
+        if _ACTIVE.get() is None:
+            return original(seed)
+        wanted = int(seed)
+        if wanted < 0:  # torch's own remapping of negative seeds
+            wanted += 0xFFFF_FFFF_FFFF_FFFF
+        if wanted != torch.default_generator.initial_seed():
+            raise _reseed_error("torch.manual_seed")
+        return torch.default_generator  # the same seed: CUDA's generator ignores it in a capture
+
+    manual_seed.__doc__ = original.__doc__
+    return manual_seed
+
+
+def _seed_hook(original: Callable[[], int]) -> Callable[[], int]:
+    def seed() -> int:
+        if _ACTIVE.get() is not None:
+            raise _reseed_error("torch.seed")
+        return original()
+
+    seed.__doc__ = original.__doc__
+    return seed
+
+
+# torch.manual_seed and torch.seed are torch.random's functions: one wrapper serves both names.
+_SEEDING: tuple[tuple[str, Callable[[Any], Any]], ...] = (
+    ("manual_seed", _manual_seed_hook),
+    ("seed", _seed_hook),
+)
+_saved_seeding: dict[str, Any] = {}
+
+
 def _capturing_hook(original: Callable[[], bool]) -> Callable[[], bool]:
     def is_current_stream_capturing() -> bool:
         return _ACTIVE.get() is not None or original()
@@ -189,8 +287,9 @@ def _capturing_hook(original: Callable[[], bool]) -> Callable[[], bool]:
 
 @contextlib.contextmanager
 def host_read_hooks() -> Iterator[None]:
-    """Wrap ``Tensor.tolist``/``numpy``/``__repr__`` and ``torch.cuda.is_current_stream_capturing``
-    for the enclosed block (refcounted)."""
+    """Wrap ``Tensor.tolist``/``numpy``/``__repr__``/``cpu``,
+    ``torch.cuda.is_current_stream_capturing`` and ``torch.manual_seed``/``torch.seed`` (also as
+    ``torch.random``'s) for the enclosed block (refcounted)."""
     global _hooks_refcount, _saved_capturing
     with _hooks_lock:
         if _hooks_refcount == 0:
@@ -199,6 +298,11 @@ def host_read_hooks() -> Iterator[None]:
                 setattr(torch.Tensor, name, _hook(name, reason, getattr(torch.Tensor, name)))
             _saved_capturing = torch.cuda.is_current_stream_capturing
             torch.cuda.is_current_stream_capturing = _capturing_hook(_saved_capturing)
+            for name, make in _SEEDING:
+                _saved_seeding[name] = getattr(torch.random, name)
+                hooked = make(_saved_seeding[name])
+                setattr(torch.random, name, hooked)
+                setattr(torch, name, hooked)
         _hooks_refcount += 1
     try:
         yield
@@ -213,6 +317,10 @@ def host_read_hooks() -> Iterator[None]:
                         setattr(torch.Tensor, name, own)
                 _saved.clear()
                 torch.cuda.is_current_stream_capturing = _saved_capturing
+                for name, own in _saved_seeding.items():
+                    setattr(torch.random, name, own)
+                    setattr(torch, name, own)
+                _saved_seeding.clear()
 
 
 # -- recording ------------------------------------------------------------------------------------
@@ -381,6 +489,9 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         # compile, and new_recorder() picks _CompilingRecorder otherwise.
         return False
 
+    # A random op on a private generator is refused as on CUDA (see private_generator_error).
+    refuses_private_generators = True
+
     def __init__(self, graph_memory: set[int] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.capture_id = next(_capture_ids)
@@ -473,6 +584,9 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         reason = host_sync_reason(func, args, kwargs)
         if reason is not None:
             self.host_sync(str(func), reason)
+        if self.refuses_private_generators and _private_generator(args, kwargs):
+            # Raised before the op runs and not invalidating, as torch's check on CUDA.
+            raise private_generator_error(str(func), user_location())
         packet = func.overloadpacket
         before = None
         if packet in _RESIZES and args:
@@ -565,7 +679,12 @@ def record_source_locations() -> Iterator[None]:
 class LocatingRecorder(_CompilingRecorder):  # type: ignore[no-untyped-call]
     """A recorder that also notes :func:`user_location` of every operation the segment issues
     (allocations and views too: ``torch.tensor(host_list)`` is one); a separate kind, so that
-    capture without locations pays nothing for them (opaque to dynamo: it only runs in checks)."""
+    capture without locations pays nothing for them (opaque to dynamo: it only runs in checks).
+
+    It lets random ops on a private generator through: the divergence check, its user, captures
+    them so that it can name the generator as the cause (``private_generator``)."""
+
+    refuses_private_generators = False
 
     def __init__(self, graph_memory: set[int] | None = None) -> None:
         super().__init__(graph_memory)
