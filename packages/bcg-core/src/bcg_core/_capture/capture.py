@@ -244,18 +244,25 @@ class CaptureState:
         self.in_break = True
         self.tracker.begin_break()
         raised = False
+        caller = self.backend.current_stream()
         try:
             # The break allocates outside the pool: its temporaries are not graph memory (a
             # replay allocates them outside too). The outputs nothing else holds are copied
             # into the pool below (owned.py); where reference counts cannot tell, what its ops
-            # create is recorded instead (fresh.py), as it is for the debug report.
-            with self.backend.not_pool_growth(self.pool, self.stream.device):
+            # create is recorded instead (fresh.py), as it is for the debug report. It runs in
+            # a context of the caller's stream, so a stream it makes current and leaves so is
+            # undone before the next segment begins (on the current stream); refused below.
+            with (
+                self.backend.stream_context(caller),
+                self.backend.not_pool_growth(self.pool, self.stream.device),
+            ):
                 if (pooling and not owned.counts_tell()) or self.debug is not DebugLevel.OFF:
                     fresh = FreshTensorTracker(self.backend.device_type)
                     with fresh:
                         output = (stub if stub is not None else fn)(*args, **kwargs)
                 else:
                     output = (stub if stub is not None else fn)(*args, **kwargs)
+                left_on = self.backend.current_stream()
         except BaseException:
             raised = True
             raise
@@ -275,6 +282,15 @@ class CaptureState:
             del box
         for side in side_streams:
             self.stream.wait_stream(side)
+        if left_on.cuda_stream != caller.cuda_stream:
+            # The rest of the forward would have been captured on that stream, and a replay
+            # (where the break switches again) would launch it there, unordered with the caller.
+            raise CaptureError(
+                f"break {name!r} made {left_on!r} the current stream and did not restore it "
+                f"({caller!r} was current when it was called). Use the side stream in a "
+                "`with torch.cuda.stream(side):` block inside the break, so the stream is "
+                "restored when the break returns."
+            )
         device = self.backend.device_type
         if strict and contains_device_tensor(output, frozenset({device})):
             raise BreakOutputError(
