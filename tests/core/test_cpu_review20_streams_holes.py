@@ -12,6 +12,7 @@ import torch
 from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
+    BreakableGraphRunner,
     CaptureError,
     eager_on_graph,
     enable_breakable_cuda_graph,
@@ -82,3 +83,27 @@ def test_a_break_that_switches_streams_and_restores_them_is_captured() -> None:
     x.fill_(2.0)
     graph.replay()
     assert torch.equal(out, torch.full((3,), 7.0))
+
+
+def test_a_cpu_runner_captures_on_its_stream() -> None:
+    # runner.stream is documented as the stream warm-ups and captures run on (the capture lane
+    # of its pool, made with the pool); the CPU backend made a new stream at every access, so
+    # runner.stream was never the same object twice, nor the stream a capture ran on.
+    seen: list[Any] = []
+
+    @eager_on_graph
+    def notes_the_stream(x: torch.Tensor) -> torch.Tensor:
+        seen.append(get_current_stream())
+        return x * 2
+
+    class Step(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return notes_the_stream(x + 1) + 1
+
+    runner = BreakableGraphRunner(Step(), device="cpu", warmup_iters=1)
+    assert runner.stream is runner.stream
+    out = runner.capture(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 5.0))
+    assert seen and all(s is runner.stream for s in seen)
+    assert torch.equal(runner(torch.full((3,), 2.0)), torch.full((3,), 7.0))
+    assert runner.stream.capturing is None

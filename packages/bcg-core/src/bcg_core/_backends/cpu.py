@@ -115,6 +115,9 @@ class CpuPool:
 
     def __init__(self) -> None:
         self.graph_memory: set[int] = set()
+        # The stream captures into this pool run on when the caller names none, as a CUDA
+        # pool's lane: one per pool, so a runner's ``stream`` is the stream it captures on.
+        self.lane = CpuStream()
 
     def __repr__(self) -> str:
         return f"<bcg_core CPU graph pool at {id(self):#x}>"
@@ -219,8 +222,9 @@ class CpuBackend:
         """Nothing is loaded lazily."""
 
     def capture_stream(self, pool: Any, device: Any) -> CpuStream:
-        """A new stream per capture: no CPU library caches memory per stream."""
-        return CpuStream()
+        """The pool's lane (no CPU library caches memory per stream, but a runner's ``stream``
+        and the stream ``get_current_stream()`` names at capture must be one stream)."""
+        return pool.lane if isinstance(pool, CpuPool) else CpuStream()
 
     def check_available(self) -> None:
         """Always available."""
