@@ -35,6 +35,9 @@ class StreamTracker:
         self._ever_forked: dict[int, Any] = {}
         self._events: dict[int, tuple[Any, Any]] = {}
         self._break: dict[int, Any] | None = None
+        # Streams joined by join_all at a segment's end (auto_join), for the whole capture: a
+        # later segment's wait on one is dropped as a wait on uncaptured work, but said so.
+        self._auto_joined: dict[int, Any] = {}
 
     def begin_segment(self) -> None:
         self._forked.clear()
@@ -50,6 +53,7 @@ class StreamTracker:
     def join_all(self) -> None:
         for stream in self.unjoined():
             self.origin.wait_stream(stream)
+        self._auto_joined.update(self._forked)
         self._forked.clear()
 
     def begin_break(self) -> None:
@@ -80,12 +84,25 @@ class StreamTracker:
         if status(record[1]).status is not CaptureStatus.NONE:
             return False
         where = user_location() or "an unknown line"
+        if record[1].cuda_stream in self._auto_joined:
+            # A fork joined in a later segment than its fork's (the "uncaptured work" text sent
+            # users looking for eager work that was never there).
+            why = (
+                "which was forked in an earlier segment and joined into the capturing stream "
+                f"when that segment ended (auto_join) (at {where}): its captured work is already "
+                "ordered before this segment, so the wait is not captured. Join a side stream in "
+                "the segment that forked it (before the next break); if eager work was issued "
+                "on it since, finish that work before the capture starts."
+            )
+        else:
+            why = (
+                f"which holds work issued outside the capture (at {where}): a graph cannot "
+                "depend on uncaptured work. The wait is not captured, so finish that work before "
+                "the capture starts (e.g. side.synchronize(), or order it on the caller's "
+                "stream) if the captured code reads its results."
+            )
         warnings.warn(
-            f"bcg: dropped a wait of the capturing stream {stream!r} on {record[1]!r}, which "
-            f"holds work issued outside the capture (at {where}): a graph cannot depend on "
-            "uncaptured work. The wait is not captured, so finish that work before the capture "
-            "starts (e.g. side.synchronize(), or order it on the caller's stream) if the "
-            "captured code reads its results.",
+            f"bcg: dropped a wait of the capturing stream {stream!r} on {record[1]!r}, {why}",
             RuntimeWarning,
             stacklevel=2,
         )
