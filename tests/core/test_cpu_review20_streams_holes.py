@@ -107,3 +107,41 @@ def test_a_cpu_runner_captures_on_its_stream() -> None:
     assert seen and all(s is runner.stream for s in seen)
     assert torch.equal(runner(torch.full((3,), 2.0)), torch.full((3,), 7.0))
     assert runner.stream.capturing is None
+
+
+def test_a_break_that_switches_streams_and_raises_leaves_the_capturing_stream_current() -> None:
+    # A fallback path that catches a break's error goes on in a new segment: it began on the
+    # stream the failed break made current, not on the capturing stream.
+    backend = backend_for("cpu")
+    side = backend.new_stream()
+    entered: list[Any] = []
+
+    @eager_on_graph
+    def fails(x: torch.Tensor) -> torch.Tensor:
+        context = backend.stream_context(side)
+        context.__enter__()  # never exited (held, so collecting it does not exit it either)
+        entered.append(context)
+        raise RuntimeError("no kernel for this shape")
+
+    @eager_on_graph
+    def fallback(x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = x + 1
+        try:
+            y = fails(y)
+        except RuntimeError:
+            assert current_cpu_stream() is get_current_stream() is not side
+            y = fallback(y)
+        return y + 1
+
+    x = torch.ones(3)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        out = forward(x)
+    assert torch.equal(out, torch.full((3,), 7.0))
+    x.fill_(2.0)
+    graph.replay()
+    assert torch.equal(out, torch.full((3,), 10.0))
+    assert side.capturing is None and active_capture() is None and not hooks_installed()
