@@ -169,6 +169,8 @@ class CpuSegment:
             self._recorder = None
             stream.capturing = None
         error = recorder.error
+        if error is not None and not isinstance(error, HostSyncError):
+            raise CaptureError(f"capture invalidated: {error}") from error
         if error is not None:
             raise HostSyncError(
                 f"operation failed due to previous error during capture: {error}",

@@ -42,6 +42,10 @@ that is capturing. So is ``torch.cuda.is_current_stream_capturing``, which answe
 context, as it does inside a CUDA capture: code that takes another path under a capture
 (transformers' ``is_tracing()`` skips GPT-2's padding check, a host read, and mask shortcuts) takes
 the capture's path on the CPU backend too.
+
+The dispatch-mode stack is per thread, not per context: an op that reaches a recorder from another
+context on the capturing thread (an asyncio task running while the capturing one awaits inside a
+segment) raises :class:`CaptureError` and invalidates the capture instead of being recorded.
 """
 
 from __future__ import annotations
@@ -500,8 +504,9 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         # operand outside them is a value from outside the graph, see host_scalars.
         self.graph_memory: set[int] = graph_memory if graph_memory is not None else set()
         self.host_scalars: list[HostScalar] = []
-        self.error: HostSyncError | None = None
+        self.error: CaptureError | None = None  # a HostSyncError, or another task's op
         self.stopped = False
+        self._thread = 0
         self._token: Token[Recorder | None] | None = None
         self._hooks: contextlib.ExitStack | None = None
 
@@ -510,6 +515,7 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         hooks.enter_context(host_read_hooks())
         self._hooks = hooks
         self._token = _ACTIVE.set(self)
+        self._thread = threading.get_ident()
         self.__enter__()  # type: ignore[no-untyped-call]
 
     def stop(self) -> None:
@@ -560,6 +566,23 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
                 "inside the segment"
             )
 
+    def _foreign(self, func: Any) -> NoReturn:
+        # The dispatch-mode stack is per thread, not per context: an asyncio task that runs
+        # while the capturing task awaits inside a segment (or any code in another context on
+        # this thread) reaches this recorder. Recorded, its ops would replay with this graph
+        # (on CUDA they would go to the capturing stream, the thread's current one): refused,
+        # and the capture is invalidated.
+        error = CaptureError(
+            f"{func} ran on the capturing thread from another context (an asyncio task, or "
+            f"code run with contextvars' Context.run) while a graph segment was being captured "
+            f"at {user_location() or 'an unknown line'}; it would have been recorded into that "
+            "graph. Do not await inside a capture block: capture (runner.capture, a runner's "
+            "first calls) without yielding to the event loop, or in a thread of its own."
+        )
+        if self.error is None:
+            self.error = error
+        raise error
+
     def host_sync(self, op: str, reason: str) -> NoReturn:
         error = host_sync_error(op, reason, user_location())
         if self.error is None:
@@ -580,6 +603,8 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
             if active is None or active is self:
                 return func(*args, **(kwargs or {}))
             return active.__torch_dispatch__(func, types, args, kwargs)
+        if _ACTIVE.get() is not self and threading.get_ident() == self._thread:
+            self._foreign(func)
         kwargs = kwargs or {}
         reason = host_sync_reason(func, args, kwargs)
         if reason is not None:

@@ -1,0 +1,89 @@
+"""Holes a review of bcg under asyncio, context variables and hook lifecycles found on the CPU
+backend (what an async serving engine does): each was a silently wrong value, a raw error or
+state left behind, and is now right or refused clearly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    CaptureError,
+    eager_on_graph,
+    enable_breakable_cuda_graph,
+    is_breakable_capture_active,
+    is_in_breakable_cuda_graph,
+)
+
+
+@eager_on_graph
+def _plus_one(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def _clean() -> bool:
+    return (
+        not is_breakable_capture_active()
+        and not is_in_breakable_cuda_graph()
+        and torch._C._len_torch_dispatch_stack() == 0
+    )
+
+
+def test_another_task_running_while_a_capture_awaits_is_refused() -> None:
+    # The CPU backend's recorder sits on the thread's dispatch-mode stack, which every asyncio
+    # task of the loop shares: a task that ran while the capturing task awaited inside a
+    # segment had its ops recorded into that graph, and each replay then rewrote the other
+    # task's tensors (its y * 10 + 1 became 51 after a replay with y = 5).
+    y = torch.ones(3)
+    other_result: list[torch.Tensor] = []
+
+    async def other() -> None:
+        other_result.append(y * 10 + 1)
+
+    other_error: list[BaseException | None] = []
+
+    async def capture() -> None:
+        graph = BreakableCUDAGraph(backend="cpu")
+        x = torch.ones(3)
+        task = asyncio.ensure_future(other())
+        try:
+            with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+                z = x * 2
+                await asyncio.sleep(0)  # the other task runs here, inside the open segment
+                _plus_one(z) * 3
+        finally:
+            await asyncio.wait([task])
+            other_error.append(task.exception())
+
+    with pytest.raises(CaptureError, match=r"capture invalidated.*another context"):
+        asyncio.run(capture())
+    assert _clean() and isinstance(other_error[0], CaptureError)
+    # The other task was told, and nothing of it was recorded (its tensor is its own).
+    y.fill_(5)
+    assert not other_result
+
+
+def test_the_other_task_gets_the_error_too() -> None:
+    async def other() -> torch.Tensor:
+        return torch.ones(2) * 3
+
+    async def capture() -> BaseException | None:
+        graph = BreakableCUDAGraph(backend="cpu")
+        task = asyncio.ensure_future(other())
+        with (
+            pytest.raises(CaptureError),
+            enable_breakable_cuda_graph(),
+            BreakableCUDAGraphCapture(graph),
+        ):
+            torch.ones(2) * 2
+            await asyncio.sleep(0)
+        await asyncio.wait([task])
+        return task.exception()
+
+    error = asyncio.run(capture())
+    assert isinstance(error, CaptureError) and "Do not await inside a capture" in str(error)
+    assert _clean()
