@@ -5,6 +5,8 @@ state left behind, and is now right or refused clearly."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
+from typing import Any
 
 import pytest
 import torch
@@ -87,3 +89,51 @@ def test_the_other_task_gets_the_error_too() -> None:
     error = asyncio.run(capture())
     assert isinstance(error, CaptureError) and "Do not await inside a capture" in str(error)
     assert _clean()
+
+
+def _triple_of_plus_one(x: torch.Tensor) -> torch.Tensor:
+    return _plus_one(x * 2) * 3
+
+
+def test_a_capture_held_open_by_an_async_generator_closed_by_another_task() -> None:
+    # An async generator that yields inside a capture block is closed by whoever finalises it
+    # (another task, the loop's shutdown_asyncgens): leaving the block there raised a raw
+    # ValueError ("<Token ...> was created in a different Context"), and the task that entered
+    # it still saw the capture active for good, refusing every later capture as nested.
+    async def steps(graph: BreakableCUDAGraph, x: torch.Tensor) -> Any:
+        with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+            yield _triple_of_plus_one(x)
+
+    async def main() -> torch.Tensor:
+        x = torch.ones(3)
+        agen = steps(BreakableCUDAGraph(backend="cpu"), x)
+        await agen.__anext__()
+        await asyncio.create_task(agen.aclose())  # GeneratorExit: that capture fails
+        assert not is_breakable_capture_active()
+        graph = BreakableCUDAGraph(backend="cpu")
+        with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+            out = _triple_of_plus_one(x)
+        x.fill_(2.0)
+        graph.replay()
+        return out
+
+    assert torch.equal(asyncio.run(main()), _triple_of_plus_one(torch.full((3,), 2.0)))
+    assert _clean()
+
+
+def test_a_capture_left_in_another_context_than_it_was_entered_in() -> None:
+    graph = BreakableCUDAGraph(backend="cpu")
+    capture = BreakableCUDAGraphCapture(graph)
+    x = torch.ones(3)
+    entered = contextvars.copy_context()
+
+    def enter() -> torch.Tensor:
+        capture.__enter__()
+        return _triple_of_plus_one(x)
+
+    out = entered.run(enter)
+    capture.__exit__(None, None, None)  # raised a raw ValueError
+    assert _clean() and not entered.run(is_breakable_capture_active)
+    x.fill_(2.0)
+    graph.replay()
+    assert torch.equal(out, _triple_of_plus_one(x))

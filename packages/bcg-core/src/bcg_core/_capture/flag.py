@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar, Token
 
+from bcg_core._contextvars import reset_var
 from bcg_core._env import EnvFlag, env_word
 from bcg_core._errors import BCG_FAILURE_HINT
 
@@ -71,7 +72,7 @@ def disable_breakable_graphs() -> Iterator[None]:
     try:
         yield
     finally:
-        _DISABLED.reset(token)
+        reset_var(token)  # left in another context (a generator's finaliser): see reset_var
 
 
 def is_in_breakable_cuda_graph() -> bool:
@@ -117,7 +118,7 @@ def enable_breakable_cuda_graph(enabled: bool = True) -> Iterator[None]:
         logger.error(BCG_FAILURE_HINT)
         raise
     finally:
-        _ENABLED.reset(token)
+        reset_var(token)  # left in another context (a generator's finaliser): see reset_var
 
 
 # A replay's cheap form of enable_breakable_cuda_graph() (no generator, no hint): flag_on() sets
