@@ -137,3 +137,28 @@ def test_a_capture_left_in_another_context_than_it_was_entered_in() -> None:
     x.fill_(2.0)
     graph.replay()
     assert torch.equal(out, _triple_of_plus_one(x))
+
+
+def test_a_task_made_inside_a_capture_running_while_it_awaits_is_refused() -> None:
+    # A task made inside the capture block inherits the capture's context, so the context check
+    # alone did not tell it apart: its ops were recorded into the capturing task's graph.
+    y = torch.ones(3)
+
+    async def other() -> torch.Tensor:
+        return y * 10 + 1
+
+    async def capture() -> BaseException | None:
+        graph = BreakableCUDAGraph(backend="cpu")
+        with (
+            pytest.raises(CaptureError, match="another context"),
+            enable_breakable_cuda_graph(),
+            BreakableCUDAGraphCapture(graph),
+        ):
+            task = asyncio.create_task(other())
+            await asyncio.sleep(0)
+            _plus_one(torch.ones(3))
+        await asyncio.wait([task])
+        return task.exception()
+
+    assert isinstance(asyncio.run(capture()), CaptureError)
+    assert _clean()

@@ -44,8 +44,9 @@ context, as it does inside a CUDA capture: code that takes another path under a 
 the capture's path on the CPU backend too.
 
 The dispatch-mode stack is per thread, not per context: an op that reaches a recorder from another
-context on the capturing thread (an asyncio task running while the capturing one awaits inside a
-segment) raises :class:`CaptureError` and invalidates the capture instead of being recorded.
+context or asyncio task on the capturing thread (one running while the capturing task awaits
+inside a segment) raises :class:`CaptureError` and invalidates the capture instead of being
+recorded.
 """
 
 from __future__ import annotations
@@ -478,6 +479,14 @@ class HostScalar:
 _capture_ids = itertools.count(1)
 
 
+def _running_task() -> object:
+    """The asyncio task running on this thread, or None (no loop running, or a callback)."""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None or asyncio.events._get_running_loop() is None:
+        return None
+    return asyncio.current_task()
+
+
 class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Runs and records the aten ops of one segment; :attr:`steps` replays them in order.
 
@@ -507,6 +516,7 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         self.error: CaptureError | None = None  # a HostSyncError, or another task's op
         self.stopped = False
         self._thread = 0
+        self._task: object = None  # the asyncio task that captures, None outside a loop
         self._token: Token[Recorder | None] | None = None
         self._hooks: contextlib.ExitStack | None = None
 
@@ -516,6 +526,7 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         self._hooks = hooks
         self._token = _ACTIVE.set(self)
         self._thread = threading.get_ident()
+        self._task = _running_task()
         self.__enter__()  # type: ignore[no-untyped-call]
 
     def stop(self) -> None:
@@ -603,7 +614,10 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
             if active is None or active is self:
                 return func(*args, **(kwargs or {}))
             return active.__torch_dispatch__(func, types, args, kwargs)
-        if _ACTIVE.get() is not self and threading.get_ident() == self._thread:
+        if (
+            _ACTIVE.get() is not self
+            or (self._task is not None and _running_task() is not self._task)
+        ) and threading.get_ident() == self._thread:
             self._foreign(func)
         kwargs = kwargs or {}
         reason = host_sync_reason(func, args, kwargs)
