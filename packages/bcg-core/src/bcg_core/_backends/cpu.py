@@ -35,7 +35,7 @@ from bcg_core._backends.cpu_recorder import (
     new_recorder,
 )
 from bcg_core._backends.seam import CaptureInfo, CaptureStatus, StreamObserver
-from bcg_core._contextvars import reset_var
+from bcg_core._context_reset import reset_var
 from bcg_core._errors import CaptureError, HostSyncError
 
 _stream_ids = itertools.count(1)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bcg_core._backends import GraphBackend, backend_for, current_stream
-from bcg_core._contextvars import reset_var
+from bcg_core._context_reset import reset_var
 from bcg_core._errors import CaptureError
 
 if TYPE_CHECKING:

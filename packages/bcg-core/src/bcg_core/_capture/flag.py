@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar, Token
 
-from bcg_core._contextvars import reset_var
+from bcg_core._context_reset import reset_var
 from bcg_core._env import EnvFlag, env_word
 from bcg_core._errors import BCG_FAILURE_HINT
 
