@@ -15,6 +15,8 @@ from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
     CaptureError,
+    breakable_graphs_disabled,
+    disable_breakable_graphs,
     eager_on_graph,
     enable_breakable_cuda_graph,
     is_breakable_capture_active,
@@ -162,3 +164,40 @@ def test_a_task_made_inside_a_capture_running_while_it_awaits_is_refused() -> No
 
     assert isinstance(asyncio.run(capture()), CaptureError)
     assert _clean()
+
+
+def test_the_flag_blocks_as_decorators_cover_an_async_functions_body() -> None:
+    # contextlib's decorator wrapped only the call, which makes the coroutine: the body ran
+    # when awaited, outside the block, so @disable_breakable_graphs() over a request handler
+    # disabled nothing (and @enable_breakable_cuda_graph() enabled nothing).
+    @disable_breakable_graphs()
+    async def disabled() -> bool:
+        await asyncio.sleep(0)
+        return breakable_graphs_disabled()
+
+    @enable_breakable_cuda_graph()
+    async def enabled() -> bool:
+        await asyncio.sleep(0)
+        return is_in_breakable_cuda_graph()
+
+    @disable_breakable_graphs()
+    def plain() -> bool:
+        return breakable_graphs_disabled()
+
+    assert asyncio.run(disabled()) and asyncio.run(enabled()) and plain()
+    assert _clean() and not breakable_graphs_disabled()
+
+
+def test_the_flag_blocks_refuse_to_decorate_a_generator_function() -> None:
+    # A generator's body runs as it is iterated, after the decorated call returned: the block
+    # did not cover it.
+    def numbers() -> Any:
+        yield is_in_breakable_cuda_graph()
+
+    async def anumbers() -> Any:
+        yield breakable_graphs_disabled()
+
+    with pytest.raises(TypeError, match="generator function"):
+        enable_breakable_cuda_graph()(numbers)
+    with pytest.raises(TypeError, match="generator function"):
+        disable_breakable_graphs()(anumbers)
