@@ -35,6 +35,7 @@ from bcg_core._backends.cpu_recorder import (
     new_recorder,
 )
 from bcg_core._backends.seam import CaptureInfo, CaptureStatus, StreamObserver
+from bcg_core._context_reset import reset_var
 from bcg_core._errors import CaptureError, HostSyncError
 
 _stream_ids = itertools.count(1)
@@ -96,7 +97,7 @@ def _use_stream(stream: CpuStream) -> Iterator[CpuStream]:
     try:
         yield stream
     finally:
-        _CURRENT.reset(token)
+        reset_var(token)  # left in another context: see reset_var
 
 
 def _as_cpu_stream(stream: Any) -> CpuStream:
@@ -172,6 +173,8 @@ class CpuSegment:
             self._recorder = None
             stream.capturing = None
         error = recorder.error
+        if error is not None and not isinstance(error, HostSyncError):
+            raise CaptureError(f"capture invalidated: {error}") from error
         if error is not None:
             raise HostSyncError(
                 f"operation failed due to previous error during capture: {error}",

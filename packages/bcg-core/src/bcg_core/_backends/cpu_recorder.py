@@ -42,6 +42,11 @@ that is capturing. So is ``torch.cuda.is_current_stream_capturing``, which answe
 context, as it does inside a CUDA capture: code that takes another path under a capture
 (transformers' ``is_tracing()`` skips GPT-2's padding check, a host read, and mask shortcuts) takes
 the capture's path on the CPU backend too.
+
+The dispatch-mode stack is per thread, not per context: an op that reaches a recorder from another
+context or asyncio task on the capturing thread (one running while the capturing task awaits
+inside a segment) raises :class:`CaptureError` and invalidates the capture instead of being
+recorded.
 """
 
 from __future__ import annotations
@@ -474,6 +479,14 @@ class HostScalar:
 _capture_ids = itertools.count(1)
 
 
+def _running_task() -> object:
+    """The asyncio task running on this thread, or None (no loop running, or a callback)."""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None or asyncio.events._get_running_loop() is None:
+        return None
+    return asyncio.current_task()
+
+
 class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Runs and records the aten ops of one segment; :attr:`steps` replays them in order.
 
@@ -500,8 +513,10 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         # operand outside them is a value from outside the graph, see host_scalars.
         self.graph_memory: set[int] = graph_memory if graph_memory is not None else set()
         self.host_scalars: list[HostScalar] = []
-        self.error: HostSyncError | None = None
+        self.error: CaptureError | None = None  # a HostSyncError, or another task's op
         self.stopped = False
+        self._thread = 0
+        self._task: object = None  # the asyncio task that captures, None outside a loop
         self._token: Token[Recorder | None] | None = None
         self._hooks: contextlib.ExitStack | None = None
 
@@ -510,6 +525,8 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         hooks.enter_context(host_read_hooks())
         self._hooks = hooks
         self._token = _ACTIVE.set(self)
+        self._thread = threading.get_ident()
+        self._task = _running_task()
         self.__enter__()  # type: ignore[no-untyped-call]
 
     def stop(self) -> None:
@@ -560,6 +577,23 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
                 "inside the segment"
             )
 
+    def _foreign(self, func: Any) -> NoReturn:
+        # The dispatch-mode stack is per thread, not per context: an asyncio task that runs
+        # while the capturing task awaits inside a segment (or any code in another context on
+        # this thread) reaches this recorder. Recorded, its ops would replay with this graph
+        # (on CUDA they would go to the capturing stream, the thread's current one): refused,
+        # and the capture is invalidated.
+        error = CaptureError(
+            f"{func} ran on the capturing thread from another context (an asyncio task, or "
+            f"code run with contextvars' Context.run) while a graph segment was being captured "
+            f"at {user_location() or 'an unknown line'}; it would have been recorded into that "
+            "graph. Do not await inside a capture block: capture (runner.capture, a runner's "
+            "first calls) without yielding to the event loop, or in a thread of its own."
+        )
+        if self.error is None:
+            self.error = error
+        raise error
+
     def host_sync(self, op: str, reason: str) -> NoReturn:
         error = host_sync_error(op, reason, user_location())
         if self.error is None:
@@ -580,6 +614,11 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
             if active is None or active is self:
                 return func(*args, **(kwargs or {}))
             return active.__torch_dispatch__(func, types, args, kwargs)
+        if (
+            _ACTIVE.get() is not self
+            or (self._task is not None and _running_task() is not self._task)
+        ) and threading.get_ident() == self._thread:
+            self._foreign(func)
         kwargs = kwargs or {}
         reason = host_sync_reason(func, args, kwargs)
         if reason is not None:

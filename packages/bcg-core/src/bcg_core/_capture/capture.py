@@ -90,6 +90,9 @@ class CaptureState:
         # The error that ended a segment's capture unsuccessfully (a host sync swallowed in it):
         # code that catches it and goes on runs unrecorded, so the capture can only fail.
         self.broken: BaseException | None = None
+        # Set when the capture is left: a context that still holds this state (one it was
+        # entered in but not left in, see exit_capture) no longer sees a capture.
+        self.closed = False
 
     def begin_segment(self) -> None:
         self._segments_begun += 1
@@ -512,11 +515,11 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
             stack.enter_context(compiles_refused(backend.refuses_compiles))
             token = enter_capture(state, stream.cuda_stream)
             try:
-                stack.callback(exit_capture, token, stream.cuda_stream)
+                stack.callback(exit_capture, state, token, stream.cuda_stream)
             except BaseException:
                 # Not yet on the stack (an interrupt in callback()): the capture stayed active
                 # in this context for good, every later capture refused as nested.
-                exit_capture(token, stream.cuda_stream)
+                exit_capture(state, token, stream.cuda_stream)
                 raise
             state.begin_segment()
         except BaseException:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bcg_core._backends import GraphBackend, backend_for, current_stream
+from bcg_core._context_reset import reset_var
 from bcg_core._errors import CaptureError
 
 if TYPE_CHECKING:
@@ -33,8 +34,10 @@ _by_stream: dict[int, CaptureState] = {}
 def active_capture() -> CaptureState | None:
     """The capture running in this context, or on this thread's current stream, or None."""
     state = _CAPTURE.get()
-    if state is not None or not _by_stream:
+    if state is not None and not state.closed:
         return state
+    if not _by_stream:
+        return None
     with _registry_lock:
         backends = {state.backend.name: state.backend for state in _by_stream.values()}
     for backend in backends.values():
@@ -55,10 +58,13 @@ def enter_capture(state: CaptureState, stream_handle: int) -> Token[CaptureState
     return _CAPTURE.set(state)
 
 
-def exit_capture(token: Token[CaptureState | None], stream_handle: int) -> None:
+def exit_capture(
+    state: CaptureState, token: Token[CaptureState | None], stream_handle: int
+) -> None:
+    state.closed = True
     with _registry_lock:
         _by_stream.pop(stream_handle, None)
-    _CAPTURE.reset(token)
+    reset_var(token)
 
 
 def captures_on_other_threads(thread: int) -> list[CaptureState]:

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from contextvars import ContextVar, Token
+from typing import Any, TypeVar
 
+from bcg_core._context_reset import reset_var
 from bcg_core._env import EnvFlag, env_word
 from bcg_core._errors import BCG_FAILURE_HINT
 
@@ -27,6 +31,7 @@ logger = logging.getLogger("bcg_core")
 _ENABLED: ContextVar[bool] = ContextVar("bcg_core_enabled", default=False)
 _DISABLED: ContextVar[bool] = ContextVar("bcg_core_disabled", default=False)
 _BCG_DISABLE = EnvFlag("BCG_DISABLE")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def bcg_disabled_by_env() -> bool:
@@ -55,23 +60,70 @@ def disabled_reason() -> str:
     return "the call is inside disable_breakable_graphs()"
 
 
+class FlagBlock(contextlib.ContextDecorator):
+    """A block of :func:`disable_breakable_graphs` or :func:`enable_breakable_cuda_graph`: a
+    ``with`` block, or a decorator. ``contextlib``'s decorator wraps the call, and calling an
+    ``async def`` function only makes its coroutine: its body ran later, when awaited, outside
+    the block (``@disable_breakable_graphs()`` over a request handler disabled nothing). Over
+    an ``async def`` the block covers each await of its coroutine; over a generator or async
+    generator function, whose body runs as it is iterated, it raises ``TypeError``."""
+
+    def __init__(self, block: Callable[[], AbstractContextManager[None]], name: str) -> None:
+        self._block = block
+        self._name = name
+        self._open: list[AbstractContextManager[None]] = []
+
+    def _recreate_cm(self) -> FlagBlock:
+        return FlagBlock(self._block, self._name)
+
+    def __enter__(self) -> None:
+        block = self._block()
+        block.__enter__()
+        self._open.append(block)
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        return self._open.pop().__exit__(*exc_info)
+
+    def __call__(self, func: _F) -> _F:
+        if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
+            raise TypeError(
+                f"@{self._name}() cannot decorate the generator function {func.__qualname__}: "
+                "its body runs as it is iterated, outside the block; put the with block inside "
+                "its body"
+            )
+        if not inspect.iscoroutinefunction(func):
+            return super().__call__(func)
+
+        @functools.wraps(func)
+        async def run(*args: Any, **kwargs: Any) -> Any:
+            with self._recreate_cm():
+                return await func(*args, **kwargs)
+
+        return run  # type: ignore[return-value]
+
+
 @contextlib.contextmanager
-def disable_breakable_graphs() -> Iterator[None]:
+def _disabled_block() -> Iterator[None]:
+    token = _DISABLED.set(True)
+    try:
+        yield
+    finally:
+        reset_var(token)  # left in another context (a generator's finaliser): see reset_var
+
+
+def disable_breakable_graphs() -> FlagBlock:
     """Context manager that turns breakable graphs off for the enclosed block.
 
     It does for this thread or asyncio task what ``BCG_DISABLE=1`` does for the whole process:
     the flag stays off (model code takes its eager path), runners run every call eagerly, and
     captures refuse to start (:class:`CaptureError`). Nesting restores the previous state on
-    exit, also when the block raises.
+    exit, also when the block raises. As a decorator it covers the function's body, also an
+    ``async def`` one's (a generator function is refused with ``TypeError``).
 
-    Yields:
-        None.
+    Returns:
+        The block, to enter with ``with`` or to decorate a function with.
     """
-    token = _DISABLED.set(True)
-    try:
-        yield
-    finally:
-        _DISABLED.reset(token)
+    return FlagBlock(_disabled_block, "disable_breakable_graphs")
 
 
 def is_in_breakable_cuda_graph() -> bool:
@@ -88,26 +140,31 @@ def is_in_breakable_cuda_graph() -> bool:
     return _ENABLED.get()
 
 
-@contextlib.contextmanager
-def enable_breakable_cuda_graph(enabled: bool = True) -> Iterator[None]:
+def enable_breakable_cuda_graph(enabled: bool = True) -> FlagBlock:
     """Context manager that sets the runtime flag for the enclosed block.
 
     The flag (read with :func:`is_in_breakable_cuda_graph`) is a context variable: per thread
     and per asyncio task, and the previous value is restored on exit. Disabled breakable graphs
     (``BCG_DISABLE=1``, :func:`disable_breakable_graphs`) force the flag off. If the block
     raises, :data:`BCG_FAILURE_HINT` is logged at error level on logger ``bcg_core`` and the
-    exception is re-raised unchanged.
+    exception is re-raised unchanged. As a decorator it covers the function's body, also an
+    ``async def`` one's (a generator function is refused with ``TypeError``).
 
     Args:
         enabled: the value to set (default True); False routes model code to its eager path
             for the block, for example to rule bcg out.
 
-    Yields:
-        None.
+    Returns:
+        The block, to enter with ``with`` or to decorate a function with.
 
     Raises:
         TypeError: ``enabled`` is not a bool (raised when the block is entered).
     """
+    return FlagBlock(functools.partial(_enabled_block, enabled), "enable_breakable_cuda_graph")
+
+
+@contextlib.contextmanager
+def _enabled_block(enabled: bool) -> Iterator[None]:
     if not isinstance(enabled, bool):
         raise TypeError(f"enable_breakable_cuda_graph(enabled=...) takes a bool, got {enabled!r}")
     token = _ENABLED.set(enabled and not breakable_graphs_disabled())
@@ -117,7 +174,7 @@ def enable_breakable_cuda_graph(enabled: bool = True) -> Iterator[None]:
         logger.error(BCG_FAILURE_HINT)
         raise
     finally:
-        _ENABLED.reset(token)
+        reset_var(token)  # left in another context (a generator's finaliser): see reset_var
 
 
 # A replay's cheap form of enable_breakable_cuda_graph() (no generator, no hint): flag_on() sets
