@@ -474,9 +474,11 @@ def one_shot_iterator(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[st
     ``kwargs['parts']``) and type; None when there is none. A call that runs more than once
     (a runner's warm-ups and capture, a break's replays) would pass it exhausted."""
     leaves, spec = flatten((args, kwargs))
-    for path, leaf, inside in zip(key_paths(spec), leaves, in_object(spec), strict=True):
+    for i, (leaf, inside) in enumerate(zip(leaves, in_object(spec), strict=True)):
         if isinstance(leaf, Iterator) and not inside:
+            # Paths are built only now: every break of a capture asks, and nearly all say no.
             # The walked call is (args, kwargs): "[0][1]" is args[1], "[1]['k']" is kwargs['k'].
+            path = key_paths(spec)[i]
             return ("args" if path.startswith("[0]") else "kwargs") + path[3:], type(leaf)
     return None
 

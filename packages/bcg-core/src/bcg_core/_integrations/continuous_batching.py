@@ -605,10 +605,7 @@ class _Rows:
 
     def __init__(self, io: Any) -> None:
         cache = io.cache
-        rows = [
-            io.write_index_storage[g, : io.true_write_sizes[g]] for g in range(cache.num_groups)
-        ]
-        self._rows = torch.cat(rows)
+        self._rows = torch.cat(_write_index(io))
         self._saved = [
             (layer, layer.index_select(0, self._rows))
             for layer in (*cache.key_cache, *cache.value_cache)
@@ -714,13 +711,17 @@ def _eager_arguments(
     """The mask and cache indices the eager engine (no padding) passes to a layer of
     ``layer_type`` for the batch ``io`` holds: ``ContinuousBatchingIOs.get_model_kwargs(
     use_padding=False)`` for ``tokens`` query tokens, read from the same static storage."""
-    groups = range(io.cache.num_groups)
-    write_index = [io.write_index_storage[g, : io.true_write_sizes[g]] for g in groups]
+    write_index = _write_index(io)
     read_index = _read_index(io)
     if layer_type is None:
         return None, read_index, write_index
     mask = io.attention_mask[layer_type][..., :tokens, : io.total_seqlen_k[layer_type]]
     return mask, read_index, write_index
+
+
+def _write_index(io: Any) -> list[Any]:
+    """The cache rows each layer group of the batch ``io`` holds writes (its true length)."""
+    return [io.write_index_storage[g, : io.true_write_sizes[g]] for g in range(io.cache.num_groups)]
 
 
 def _read_index(io: Any) -> list[Any]:
