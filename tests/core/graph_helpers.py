@@ -22,3 +22,10 @@ def capture(fn: Callable[[], Any], graph: BreakableCUDAGraph | None = None) -> t
     with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
         out = fn()
     return graph, out
+
+
+def cpu_capture(fn: Callable[[], Any]) -> tuple[BreakableCUDAGraph, Any]:
+    """Capture ``fn()`` into a new graph of the CPU backend, with the runtime flag on; return
+    the graph and the capture-time output."""
+    graph, out = capture(fn, BreakableCUDAGraph(backend="cpu"))
+    return graph, out

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from graph_helpers import cpu_capture
 
 from bcg_core import (
     BreakableCUDAGraph,
@@ -25,13 +26,6 @@ from bcg_core import (
     patch_attribute,
 )
 from bcg_diffusion import bucket_for
-
-
-def _capture(fn: Callable[[], Any]) -> tuple[BreakableCUDAGraph, Any]:
-    graph = BreakableCUDAGraph(backend="cpu")
-    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
-        out = fn()
-    return graph, out
 
 
 def _no_capture_state() -> None:
@@ -71,7 +65,7 @@ def test_a_host_value_a_break_returns_anew_and_changed_is_refused_at_replay(
         y, meta = lengths(x * 5)
         return y * len(meta)
 
-    graph, out = _capture(step)
+    graph, out = cpu_capture(step)
     assert out.tolist() == [25.0] * 3
     x.fill_(1.0)
     graph.replay()  # the same value again: replays
@@ -97,7 +91,7 @@ def test_the_same_host_array_returned_again_is_what_later_breaks_read() -> None:
     def read(t: torch.Tensor, host: np.ndarray) -> torch.Tensor:
         return t + torch.from_numpy(host).to(t.dtype)
 
-    graph, out = _capture(lambda: read(x * 2, fill(x * 1)) * 1)
+    graph, out = cpu_capture(lambda: read(x * 2, fill(x * 1)) * 1)
     x.fill_(3.0)
     graph.replay()
     assert out.tolist() == [9.0] * 3
@@ -135,9 +129,9 @@ def test_a_break_given_a_one_shot_iterator_is_refused_at_capture(
             return total(base, list(items(x))) * 1  # what the message says: a list replays
 
     with pytest.raises(CaptureError, match=r"args\[1\], a .*one-shot iterator.*list"):
-        _capture(lambda: total(x * 1, items(x)))
+        cpu_capture(lambda: total(x * 1, items(x)))
     _no_capture_state()
-    graph, out = _capture(step)  # code that catches the refusal goes on capturing
+    graph, out = cpu_capture(step)  # code that catches the refusal goes on capturing
     x.fill_(2.0)
     graph.replay()
     assert out.tolist() == [8.0] * 3

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from graph_helpers import cpu_capture
 
 from bcg_core import (
     BreakableCUDAGraph,
@@ -22,14 +23,6 @@ from bcg_core import (
     enable_breakable_cuda_graph,
     is_breakable_capture_active,
 )
-
-
-def _capture(fn: Callable[[], Any]) -> tuple[BreakableCUDAGraph, Any]:
-    graph = BreakableCUDAGraph(backend="cpu")
-    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
-        out = fn()
-    return graph, out
-
 
 _views = {"same": True}
 
@@ -43,7 +36,7 @@ def _views_of_one(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def test_outputs_that_view_one_tensor_must_view_one_tensor_again() -> None:
     # Copying two separate tensors into bridges that overlap overwrote one with the other.
     x = torch.arange(5.0)
-    graph, out = _capture(lambda: tuple(v + 0 for v in _views_of_one(x)))
+    graph, out = cpu_capture(lambda: tuple(v + 0 for v in _views_of_one(x)))
     x.copy_(torch.arange(5.0) + 1)
     graph.replay()
     assert torch.equal(out[0], (x * 2)) and torch.equal(out[1], (x * 2)[1:])
@@ -78,7 +71,7 @@ def test_a_non_python_number_a_break_returns_is_frozen_and_checked(
 ) -> None:
     _lengths["kind"] = kind
     lens, x = torch.tensor([first]), torch.arange(10.0)
-    graph, out = _capture(lambda: x[: int(_length(lens))].sum().reshape(1))
+    graph, out = cpu_capture(lambda: x[: int(_length(lens))].sum().reshape(1))
     graph.replay()
     assert out.item() == sum(range(first))
     lens.fill_(then)
@@ -105,7 +98,7 @@ def test_a_break_changing_an_argument_layout_in_place_is_refused_at_capture() ->
         _transpose_in_place(x + 1, w)
     assert not is_breakable_capture_active()
     graph.reset()
-    graph, out = _capture(lambda: (x + 1) @ w)
+    graph, out = cpu_capture(lambda: (x + 1) @ w)
     graph.replay()
     assert torch.equal(out, (x + 1) @ w)
 
@@ -118,7 +111,7 @@ def _into(h: torch.Tensor, out: torch.Tensor) -> None:
 
 def test_a_break_filling_an_empty_out_buffer_replays() -> None:
     buf, x = torch.empty(0), torch.randn(4)
-    graph, _ = _capture(lambda: _into(x + 1, buf))
+    graph, _ = cpu_capture(lambda: _into(x + 1, buf))
     x.copy_(torch.ones(4))
     graph.replay()
     assert torch.equal(buf, torch.full((4,), 4.0))

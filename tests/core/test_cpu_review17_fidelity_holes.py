@@ -8,26 +8,16 @@ from typing import Any
 
 import pytest
 import torch
+from graph_helpers import cpu_capture
 
 from bcg_core import (
-    BreakableCUDAGraph,
-    BreakableCUDAGraphCapture,
     CaptureError,
     check_capture,
     eager_on_graph,
-    enable_breakable_cuda_graph,
     get_current_stream,
 )
 from bcg_core._backends import backend_for  # noqa: PLC2701
 from bcg_core._errors import HostSyncError, capture_refusal_hint  # noqa: PLC2701
-
-
-def _capture(fn: Callable[[], Any]) -> tuple[BreakableCUDAGraph, Any]:
-    graph = BreakableCUDAGraph(backend="cpu")
-    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
-        out = fn()
-    return graph, out
-
 
 _A = torch.tensor([[4.0, 1.0], [1.0, 3.0]])
 
@@ -54,7 +44,7 @@ def test_a_decomposition_checking_its_convergence_is_a_host_sync(
     # reads the info tensor on the host on CUDA (a capture refuses it); on the CPU that call is
     # below the dispatcher, so the CPU backend captured and replayed them.
     with pytest.raises(HostSyncError, match="info tensor") as info:
-        _capture(lambda: fn(_A * 1))
+        cpu_capture(lambda: fn(_A * 1))
     assert "@eager_on_graph" in str(info.value)
     report = check_capture(fn, _A)
     assert not report.ok
@@ -62,7 +52,7 @@ def test_a_decomposition_checking_its_convergence_is_a_host_sync(
 
 def test_a_decomposition_of_an_empty_matrix_still_captures() -> None:
     # The kernels return before their check for an empty input: nothing is read on the host.
-    graph, (_, s, _) = _capture(lambda: torch.linalg.svd(torch.zeros(0, 0) * 1))
+    graph, (_, s, _) = cpu_capture(lambda: torch.linalg.svd(torch.zeros(0, 0) * 1))
     graph.replay()
     assert s.shape == (0,)
 
@@ -74,19 +64,19 @@ def test_a_draw_from_a_private_generator_is_refused_as_on_cuda() -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.zeros(3)
     with pytest.raises(CaptureError, match=r"private torch\.Generator") as info:
-        _capture(lambda: x + torch.rand(3, generator=gen))
+        cpu_capture(lambda: x + torch.rand(3, generator=gen))
     assert "@eager_on_graph" in str(info.value) and "test_cpu_review17" in str(info.value)
     assert not check_capture(lambda t: t.uniform_(generator=gen), x).ok
     # On CUDA the runner's capture-failure reason carries the same advice for torch's error.
     cuda = RuntimeError("Attempt to increase offset for a CUDA generator not in capture mode.")
     assert "default generator" in (capture_refusal_hint(cuda) or "")
     # The default generator, named or not, is the graph's own: drawn anew at every replay.
-    graph, out = _capture(lambda: x + torch.rand(3, generator=torch.default_generator))
+    graph, out = cpu_capture(lambda: x + torch.rand(3, generator=torch.default_generator))
     first = out.clone()
     graph.replay()
     assert not torch.equal(out, first)
     # Nothing was left behind: the next capture records.
-    graph, out = _capture(lambda: x + 1)
+    graph, out = cpu_capture(lambda: x + 1)
     x.fill_(2)
     graph.replay()
     assert out.tolist() == [3.0, 3.0, 3.0]
@@ -100,7 +90,7 @@ def test_a_private_generator_in_a_break_replays() -> None:
         return t + torch.rand(t.shape, generator=gen)
 
     x = torch.zeros(3)
-    graph, out = _capture(lambda: noise(x * 1) * 2)
+    graph, out = cpu_capture(lambda: noise(x * 1) * 2)
     first = out.clone()
     graph.replay()
     assert not torch.equal(out, first)
@@ -128,7 +118,7 @@ def test_waiting_for_the_device_inside_a_segment_is_a_host_sync(
         return y + 1
 
     with pytest.raises(HostSyncError, match=what) as info:
-        _capture(step)
+        cpu_capture(step)
     assert "@eager_on_graph" in str(info.value)
     assert not check_capture(step).ok
     sync()  # outside a segment: nothing to wait for
@@ -138,7 +128,7 @@ def test_waiting_for_the_device_inside_a_segment_is_a_host_sync(
         sync()  # a break runs eagerly: waiting is fine there
         return t + 1
 
-    graph, out = _capture(lambda: waits(x * 2))
+    graph, out = cpu_capture(lambda: waits(x * 2))
     x.fill_(3)
     graph.replay()
     assert out.tolist() == [7.0, 7.0, 7.0]
@@ -152,15 +142,15 @@ def test_reseeding_inside_a_segment_is_refused_or_a_no_op_as_on_cuda() -> None:
     torch.manual_seed(5)
     x = torch.zeros(2)
     with pytest.raises(CaptureError, match="seed") as info:
-        _capture(lambda: (torch.manual_seed(6), x + torch.rand(2))[1])
+        cpu_capture(lambda: (torch.manual_seed(6), x + torch.rand(2))[1])
     assert "@eager_on_graph" in str(info.value)
     with pytest.raises(CaptureError, match="seed"):
-        _capture(lambda: (torch.seed(), x + 1)[1])
+        cpu_capture(lambda: (torch.seed(), x + 1)[1])
     assert torch.initial_seed() == 5
     torch.manual_seed(5)
     expected = torch.rand(4)
     torch.manual_seed(5)
-    graph, out = _capture(lambda: (torch.random.manual_seed(5), x + torch.rand(2))[1])
+    graph, out = cpu_capture(lambda: (torch.random.manual_seed(5), x + torch.rand(2))[1])
     assert out.tolist() == expected[:2].tolist()  # the same seed did not reset the generator
     graph.replay()
     assert out.tolist() == expected[2:].tolist()
@@ -173,7 +163,7 @@ def test_a_copy_to_the_host_inside_a_segment_is_a_host_sync() -> None:
     # capture refuses; on CPU tensors it is a no-op that dispatches nothing, so it captured.
     x = torch.ones(3)
     with pytest.raises(HostSyncError, match=r"Tensor\.cpu") as info:
-        _capture(lambda: (x * 2).cpu() + 1)
+        cpu_capture(lambda: (x * 2).cpu() + 1)
     assert "@eager_on_graph" in str(info.value)
     assert x.cpu() is x and "Tensor.cpu" not in repr(torch.Tensor.cpu)  # hook removed
 
@@ -181,7 +171,7 @@ def test_a_copy_to_the_host_inside_a_segment_is_a_host_sync() -> None:
     def to_host(t: torch.Tensor) -> torch.Tensor:
         return t.cpu() + 1  # a break runs eagerly: copying to the host is fine there
 
-    graph, out = _capture(lambda: to_host(x * 2))
+    graph, out = cpu_capture(lambda: to_host(x * 2))
     x.fill_(3)
     graph.replay()
     assert out.tolist() == [7.0, 7.0, 7.0]

@@ -10,23 +10,14 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
+from graph_helpers import cpu_capture
 
 from bcg_core import (
     BreakableCUDAGraph,
-    BreakableCUDAGraphCapture,
     BreakOutputError,
     ReplayError,
     eager_on_graph,
-    enable_breakable_cuda_graph,
 )
-
-
-def _capture(fn: Callable[[], Any]) -> tuple[BreakableCUDAGraph, Any]:
-    graph = BreakableCUDAGraph(backend="cpu")
-    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
-        out = fn()
-    return graph, out
-
 
 _ADJACENCY = torch.tensor([[0.0, 1, 0], [0, 0, 2], [3, 0, 0]]).to_sparse()
 
@@ -55,7 +46,7 @@ def test_a_sparse_argument_is_taken_and_the_capture_goes_on_breaking() -> None:
         y = _spmm(x * 1, _ADJACENCY) + 1
         return _count(y) + 0
 
-    graph, out = _capture(step)
+    graph, out = cpu_capture(step)
     assert graph.num_breaks == 2
     x.copy_(torch.tensor([4.0, 5, 6]))
     _calls.clear()
@@ -72,7 +63,7 @@ def _reads_nested(x: torch.Tensor, nested: torch.Tensor) -> torch.Tensor:
 def test_a_nested_argument_is_taken_as_it_is() -> None:
     nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     x = torch.arange(3.0)
-    graph, out = _capture(lambda: _reads_nested(x * 1, nested) + 1)
+    graph, out = cpu_capture(lambda: _reads_nested(x * 1, nested) + 1)
     x.copy_(torch.tensor([4.0, 5, 6]))
     graph.replay()
     assert torch.equal(out, x + 3)
@@ -106,7 +97,7 @@ def test_a_sparse_or_nested_output_is_refused_by_name_and_the_capture_goes_on(
             call(x * 1)
         return _count(x + 1) + 0
 
-    graph, out = _capture(step)
+    graph, out = cpu_capture(step)
     assert graph.break_names == ("r5.count",)  # the refused call is no step
     x.copy_(torch.tensor([4.0, 5, 6]))
     _calls.clear()
@@ -131,7 +122,7 @@ def test_reset_from_a_break_of_the_graphs_own_replay_is_refused() -> None:
     # and left the graph empty.
     x = torch.arange(3.0)
     _graphs.clear()
-    graph, out = _capture(lambda: _resets_its_graph(x * 2) * 3)
+    graph, out = cpu_capture(lambda: _resets_its_graph(x * 2) * 3)
     _graphs["graph"] = graph
     try:
         with pytest.raises(ReplayError, match="from a break of its own replay"):

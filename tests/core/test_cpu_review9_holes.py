@@ -9,17 +9,9 @@ from typing import Any
 
 import pytest
 import torch
+from graph_helpers import cpu_capture
 
-from bcg_core import BreakableCUDAGraph, BreakableCUDAGraphCapture, enable_breakable_cuda_graph
 from bcg_core._errors import HostSyncError  # noqa: PLC2701
-
-
-def _capture(fn: Callable[[], Any]) -> tuple[BreakableCUDAGraph, Any]:
-    graph = BreakableCUDAGraph(backend="cpu")
-    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
-        out = fn()
-    return graph, out
-
 
 _A = torch.tensor([[4.0, 1.0], [1.0, 3.0]])
 _B = torch.tensor([[1.0], [2.0]])
@@ -42,18 +34,18 @@ def test_a_linalg_op_checking_its_errors_is_a_host_sync(fn: Callable[[torch.Tens
     # On CUDA these read their info tensor on the host (_linalg_check_errors:
     # infos.any().item()), which a capture refuses; the CPU backend captured and replayed them.
     with pytest.raises(HostSyncError, match="info tensor") as info:
-        _capture(lambda: fn(_A * 1))
+        cpu_capture(lambda: fn(_A * 1))
     assert "_ex" in str(info.value)
 
 
 def test_the_unchecked_ex_variants_capture_and_replay() -> None:
     a = _A.clone()
-    graph, (inverse, info) = _capture(lambda: torch.linalg.inv_ex(a))
+    graph, (inverse, info) = cpu_capture(lambda: torch.linalg.inv_ex(a))
     a.mul_(2)
     graph.replay()
     torch.testing.assert_close(inverse, torch.linalg.inv(a))
     assert int(info) == 0
-    graph, (low, _) = _capture(lambda: torch.linalg.cholesky_ex(a))
+    graph, (low, _) = cpu_capture(lambda: torch.linalg.cholesky_ex(a))
     torch.testing.assert_close(low, torch.linalg.cholesky(a))
 
 
@@ -61,11 +53,11 @@ def test_histc_without_a_range_is_a_host_sync() -> None:
     # CUDA's histc with min == max (the default) reads the tensor's min and max on the host.
     x = torch.tensor([0.0, 1.0, 2.0, 3.0])
     with pytest.raises(HostSyncError, match="histc") as info:
-        _capture(lambda: torch.histc(x * 1, bins=4))
+        cpu_capture(lambda: torch.histc(x * 1, bins=4))
     assert "min < max" in str(info.value)
     with pytest.raises(HostSyncError, match="histc"):
-        _capture(lambda: torch.histc(x * 1, 4, 1, 1))
-    graph, out = _capture(lambda: torch.histc(x * 1, bins=4, min=0, max=4))
+        cpu_capture(lambda: torch.histc(x * 1, 4, 1, 1))
+    graph, out = cpu_capture(lambda: torch.histc(x * 1, bins=4, min=0, max=4))
     x.fill_(0.5)
     graph.replay()
     assert out.tolist() == [4.0, 0.0, 0.0, 0.0]
