@@ -172,7 +172,9 @@ class CpuSegment:
         finally:
             self._recorder = None
             stream.capturing = None
-        error = recorder.error
+        # Taken from the recorder: the error's traceback holds the recorder (a cycle that kept
+        # its recorded steps and tensors until the garbage collector ran).
+        error, recorder.error = recorder.error, None
         if error is not None and not isinstance(error, HostSyncError):
             raise CaptureError(f"capture invalidated: {error}") from error
         if error is not None:

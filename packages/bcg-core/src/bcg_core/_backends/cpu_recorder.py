@@ -590,15 +590,20 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
             "graph. Do not await inside a capture block: capture (runner.capture, a runner's "
             "first calls) without yielding to the event loop, or in a thread of its own."
         )
-        if self.error is None:
-            self.error = error
-        raise error
+        self._fail(error)
 
     def host_sync(self, op: str, reason: str) -> NoReturn:
-        error = host_sync_error(op, reason, user_location())
+        self._fail(host_sync_error(op, reason, user_location()))
+
+    def _fail(self, error: CaptureError) -> NoReturn:
         if self.error is None:
             self.error = error
-        raise error
+        try:
+            raise error
+        finally:
+            # This frame, which the traceback keeps, must not hold the error: the cycle kept
+            # the recorder, its steps and tensors until the garbage collector ran.
+            del error
 
     def __torch_dispatch__(
         self,

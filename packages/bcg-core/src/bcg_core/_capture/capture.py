@@ -123,6 +123,14 @@ class CaptureState:
         failure = self._break_failure
         return failure[1] if failure is not None and failure[0] is exc else self.where
 
+    def forget_errors(self) -> None:
+        """Drop the errors this state keeps for the capture's exit. Each one's traceback holds
+        the frames that hold this state: kept, the cycle left the state, its pool and segments
+        (on CUDA, a capture lane each) to the garbage collector, and a process that failed
+        captures often held more lanes, and their workspaces, than it ever used at once."""
+        self._break_failure = None
+        self.broken = None
+
     def end_segment(self) -> None:
         """Join forked side streams (or fail naming them) and end the segment's capture."""
         if self.broken is not None:
@@ -538,21 +546,24 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
         state, stack = self._state, self._exit_stack
         assert state is not None and stack is not None
         self._state = self._exit_stack = None
-        with stack:
-            if exc is None:
-                try:
-                    state.end_segment()
-                except BaseException as end_exc:
-                    self._fail(state, end_exc)
-                    raise
-                self.cuda_graph._finish_capture(state.steps, state.dropped)
-            else:
-                self._fail(state, exc)
-                refused = as_capture_error(exc)
-                if refused is not None:
-                    where = state.where_raised(exc)
-                    refused.add_note(f"bcg: raised {where} of a breakable CUDA graph capture")
-                    raise refused from exc
+        try:
+            with stack:
+                if exc is None:
+                    try:
+                        state.end_segment()
+                    except BaseException as end_exc:
+                        self._fail(state, end_exc)
+                        raise
+                    self.cuda_graph._finish_capture(state.steps, state.dropped)
+                else:
+                    self._fail(state, exc)
+                    refused = as_capture_error(exc)
+                    if refused is not None:
+                        where = state.where_raised(exc)
+                        refused.add_note(f"bcg: raised {where} of a breakable CUDA graph capture")
+                        raise refused from exc
+        finally:
+            state.forget_errors()
 
     def _fail(self, state: CaptureState, exc: BaseException) -> None:
         # Asked before the stack closes: this capture is still registered, and so are others.

@@ -51,9 +51,11 @@ class StreamTracker:
         return list(self._ever_forked.values())
 
     def join_all(self) -> None:
-        for stream in self.unjoined():
+        # Copied first: each join below reaches on_wait, which takes the stream off _forked.
+        joining = dict(self._forked)
+        for stream in joining.values():
             self.origin.wait_stream(stream)
-        self._auto_joined.update(self._forked)
+        self._auto_joined.update(joining)
         self._forked.clear()
 
     def begin_break(self) -> None:
