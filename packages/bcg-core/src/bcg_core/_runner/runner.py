@@ -725,25 +725,33 @@ class BreakableGraphRunner:
                 "a list or tuple",
                 call,
             )
-        pool, lane = self.pool, self.stream
-        current = self._graph_backend.current_stream(self.device)
+        backend = self._graph_backend
+        current = backend.current_stream(self.device)
+        # The pool, the warm-ups and the capture use the current device (its lane): made so in
+        # the context of the runner's device's stream (on CUDA, entering a stream's context
+        # makes its device current). With another device current, a runner on cuda:1 captured
+        # on cuda:0's lane, its kernels went uncaptured to cuda:1's stream, and every replay
+        # returned the capture's output.
+        with backend.stream_context(current):
+            pool, lane = self.pool, self.stream
         self._turn.busy = self
         try:
-            entry = capture_entry(
-                self.module,
-                call,
-                lifted,
-                live,
-                values,
-                backend=self._graph_backend,
-                device=self.device,
-                pool=pool,
-                lane=lane,
-                turn=self._turn,
-                scalars=self._scalars,
-                warmups=self.warmup_iters,
-                capture_error_mode=self.capture_error_mode,
-            )
+            with backend.stream_context(current):
+                entry = capture_entry(
+                    self.module,
+                    call,
+                    lifted,
+                    live,
+                    values,
+                    backend=backend,
+                    device=self.device,
+                    pool=pool,
+                    lane=lane,
+                    turn=self._turn,
+                    scalars=self._scalars,
+                    warmups=self.warmup_iters,
+                    capture_error_mode=self.capture_error_mode,
+                )
         except BaseException as exc:
             self._turn.busy = None
             if self._owns_pool:
