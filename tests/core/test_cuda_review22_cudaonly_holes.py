@@ -1,21 +1,22 @@
 """Holes of review 22 in code that only runs on CUDA (the CPU backend has one device and no
-stream hooks). The tests below need two GPUs (the nvidia-h100-x2 device kind); skipped elsewhere.
-"""
+stream hooks). The runner test needs two GPUs (the nvidia-h100-x2 device kind)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from cuda_helpers import assert_idle
 
-from bcg_core import BreakableGraphRunner, eager_on_graph
+from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    BreakableGraphRunner,
+    eager_on_graph,
+)
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-        reason="needs two CUDA GPUs (the nvidia-h100-x2 device kind)",
-    ),
-]
+pytestmark = pytest.mark.cuda
+
+SLEEP_CYCLES = 20_000_000  # about 10 ms on an H200: long enough to lose any race
 
 
 @eager_on_graph(name="plus_one22")
@@ -27,6 +28,10 @@ def _step(x: torch.Tensor) -> torch.Tensor:
     return _plus_one(x * 2) * 3
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs two CUDA GPUs (the nvidia-h100-x2 device kind)",
+)
 def test_a_runner_on_the_second_gpu_captures_its_kernels_while_the_first_is_current() -> None:
     # The runner's warm-ups and capture took the lane of the *current* device (cuda:0): the
     # step's kernels on cuda:1 tensors went to cuda:1's own stream, uncaptured, so the graph
@@ -45,3 +50,33 @@ def test_a_runner_on_the_second_gpu_captures_its_kernels_while_the_first_is_curr
     assert stats.entries[0].segments == 2
     assert torch.cuda.current_device() == 0
     assert torch.cuda.current_stream(1).cuda_stream == torch.cuda.default_stream(1).cuda_stream
+
+
+def test_a_side_stream_a_break_enters_with_its_own_context_manager_is_joined() -> None:
+    # `with side:` (torch.Stream's context manager) sets the current stream in C++, past the
+    # torch.cuda.set_stream hook: the break's side stream went unnoticed, so neither the capture
+    # nor a replay ordered the next segment after the side stream's work.
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+
+    @eager_on_graph(name="side_fill22")
+    def side_fill(dst: torch.Tensor) -> None:
+        with side:  # no event: what it writes depends on nothing the caller's stream does
+            torch.cuda._sleep(SLEEP_CYCLES)
+            dst.fill_(7.0)
+
+    buf = torch.zeros(64, device="cuda")
+    graph = BreakableCUDAGraph()
+    with BreakableCUDAGraphCapture(graph):
+        x = buf * 0
+        side_fill(buf)
+        out = buf + x + 1
+    assert_idle()
+    assert "__enter__" not in torch.cuda.Stream.__dict__  # the hook is gone, torch.Stream's back
+    assert graph.step_kinds == ("graph", "break", "graph")
+    for _ in range(3):
+        buf.zero_()
+        torch.cuda.synchronize()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert out.tolist() == [8.0] * 64

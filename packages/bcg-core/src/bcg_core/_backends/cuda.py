@@ -251,13 +251,17 @@ def _end_pool_routing(pool: Any) -> None:
 
 def _install_stream_hooks(observer: StreamObserver) -> Callable[[], None]:
     # Event.record/Event.wait are what Stream.record_event, Stream.wait_event and
-    # Stream.wait_stream go through; set_stream is what torch.cuda.stream goes through. Each
+    # Stream.wait_stream go through; set_stream is what torch.cuda.stream goes through, and
+    # Stream.__enter__ is `with side:` (torch.Stream's own context manager, which sets the
+    # stream in C++, past set_stream: a break's side stream used so was never joined). Each
     # wrapper calls the original first, then reports to the capture found in the caller's
     # context; a wait the capture drops (on uncaptured work, see StreamTracker.drops_wait) is
     # not made at all.
     record = torch.cuda.Event.record
     wait = torch.cuda.Event.wait
     set_stream = torch.cuda.set_stream
+    own_enter = torch.cuda.Stream.__dict__.get("__enter__")  # None: torch.Stream's, inherited
+    enter = getattr(torch.cuda.Stream, "__enter__", None)  # None: a CPU-only build of torch
 
     def event_record(self: Any, stream: Any = None) -> None:
         record(self, stream)
@@ -280,13 +284,27 @@ def _install_stream_hooks(observer: StreamObserver) -> Callable[[], None]:
         if events is not None and stream is not None:
             events.on_set_stream(stream)
 
+    def stream_enter(self: Any) -> Any:
+        assert enter is not None
+        entered = enter(self)
+        events = observer()
+        if events is not None:
+            events.on_set_stream(self)
+        return entered
+
     torch.cuda.Event.record = event_record  # type: ignore[method-assign]
     torch.cuda.Event.wait = event_wait  # type: ignore[method-assign]
     torch.cuda.set_stream = set_stream_hook
+    if enter is not None:
+        torch.cuda.Stream.__enter__ = stream_enter  # type: ignore[method-assign]
 
     def uninstall() -> None:
         torch.cuda.Event.record = record  # type: ignore[method-assign]
         torch.cuda.Event.wait = wait  # type: ignore[method-assign]
         torch.cuda.set_stream = set_stream
+        if own_enter is not None:
+            torch.cuda.Stream.__enter__ = own_enter  # type: ignore[method-assign]
+        elif enter is not None:
+            del torch.cuda.Stream.__enter__
 
     return uninstall

@@ -3,9 +3,10 @@
 CUDA requires every stream forked from the capturing stream to be joined back before the capture
 ends, and a break point's side-stream work must finish before the next segment reads its results.
 Both need to know which streams were used, so while any breakable capture is active the backend
-wraps its stream and event entry points (for CUDA: ``Event.record``, ``Event.wait`` and
-``torch.cuda.set_stream``, see ``_backends/cuda.py``) and reports each use to the tracker of the
-capture found in the caller's context; outside a capture the wrappers only forward.
+wraps its stream and event entry points (for CUDA: ``Event.record``, ``Event.wait``,
+``torch.cuda.set_stream`` and ``Stream.__enter__``, see ``_backends/cuda.py``) and reports each
+use to the tracker of the capture found in the caller's context; outside a capture the wrappers
+only forward.
 
 The wrappers are installed refcounted per backend under a lock (several threads may capture at
 once) and always removed when that backend's last capture exits, however it exits.
