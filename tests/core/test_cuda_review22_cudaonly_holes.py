@@ -1,5 +1,5 @@
 """Holes of review 22 in code that only runs on CUDA (the CPU backend has one device and no
-stream hooks). The runner test needs two GPUs (the nvidia-h100-x2 device kind)."""
+stream hooks). The runner tests need two GPUs (the nvidia-h100-x2 device kind)."""
 
 from __future__ import annotations
 
@@ -28,10 +28,13 @@ def _step(x: torch.Tensor) -> torch.Tensor:
     return _plus_one(x * 2) * 3
 
 
-@pytest.mark.skipif(
+two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
     reason="needs two CUDA GPUs (the nvidia-h100-x2 device kind)",
 )
+
+
+@two_gpus
 def test_a_runner_on_the_second_gpu_captures_its_kernels_while_the_first_is_current() -> None:
     # The runner's warm-ups and capture took the lane of the *current* device (cuda:0): the
     # step's kernels on cuda:1 tensors went to cuda:1's own stream, uncaptured, so the graph
@@ -80,3 +83,28 @@ def test_a_side_stream_a_break_enters_with_its_own_context_manager_is_joined() -
         graph.replay()
         torch.cuda.synchronize()
         assert out.tolist() == [8.0] * 64
+
+
+@two_gpus
+def test_a_break_side_stream_is_joined_into_the_capture_device_replay_stream() -> None:
+    # A replay of a runner on cuda:1 called with cuda:0 current joined the break's side stream
+    # into cuda:0's current stream; the bridge copy, on cuda:1's, read the side stream's
+    # unfinished result.
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 1)
+    side = torch.cuda.Stream(dev)
+
+    @eager_on_graph(name="side_result22")
+    def side_result(src: torch.Tensor) -> torch.Tensor:
+        side.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            return src * 3
+
+    runner = BreakableGraphRunner(lambda x: side_result(x + 1) - 1, device=dev)
+    runner.capture(torch.zeros(256, device=dev))
+    for value in (1.0, 4.0):
+        out = runner(torch.full((256,), value, device=dev))
+        torch.cuda.synchronize(dev)
+        assert out.tolist() == [(value + 1) * 3 - 1] * 256
+    assert (runner.stats.hits, runner.stats.failed_captures) == (2, 0)

@@ -335,6 +335,7 @@ class CaptureState:
                 backend=self.backend,
                 modes=modes,
                 stubbed=stub is not None,
+                device=self.stream.device,
             )
         )
         return output

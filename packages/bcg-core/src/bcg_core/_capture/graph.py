@@ -43,14 +43,18 @@ class BreakStep:
     backend: GraphBackend
     modes: Modes = (False, None)  # the inference and autocast modes it ran under at capture
     stubbed: bool = False  # its capture_stub ran at capture instead of fn
+    # The capture's device: its segments replay on that device's current stream, whichever
+    # device is current (torch's CUDAGraph.replay switches to it).
+    device: Any = None
     kind: Literal["break"] = "break"
 
     def run(self) -> None:
         fresh = self.fn(*self.args, **self.kwargs)
         # Join the side streams first: the bridge copy runs on the replay stream and may read
-        # a tensor the break computed on one of them.
+        # a tensor the break computed on one of them. (The current device's stream joined
+        # them when another device was current: a runner on cuda:1 called with cuda:0 current.)
         if self.side_streams:
-            stream = self.backend.current_stream()
+            stream = self.backend.current_stream(self.device)
             for side in self.side_streams:
                 stream.wait_stream(side)
         self.bridge.update(fresh)
