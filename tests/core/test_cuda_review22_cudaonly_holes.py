@@ -3,9 +3,11 @@ stream hooks). The runner tests need two GPUs (the nvidia-h100-x2 device kind)."
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
-from cuda_helpers import assert_idle
+from cuda_helpers import assert_idle, randn, refresh
 
 from bcg_core import (
     BreakableCUDAGraph,
@@ -108,3 +110,40 @@ def test_a_break_side_stream_is_joined_into_the_capture_device_replay_stream() -
         torch.cuda.synchronize(dev)
         assert out.tolist() == [(value + 1) * 3 - 1] * 256
     assert (runner.stats.hits, runner.stats.failed_captures) == (2, 0)
+
+
+def test_a_segment_waiting_on_an_event_a_break_recorded_captures() -> None:
+    # A break records an event on its side stream (a prefetch) and the next segment waits on
+    # it: the tracker had forgotten the break's records when that segment began, so the wait
+    # was made, and CUDA refused a capturing stream's wait on uncaptured work. It is dropped
+    # silently now: the break's side stream is joined after it, at capture and at each replay.
+    side = torch.cuda.Stream()
+    done = torch.cuda.Event()
+
+    @eager_on_graph(name="prefetch22")
+    def prefetch(src: torch.Tensor, dst: torch.Tensor) -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            dst.copy_(src * 3)
+        done.record(side)
+
+    x = randn(64)
+    buf = torch.zeros(64, device="cuda")
+    graph = BreakableCUDAGraph()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with BreakableCUDAGraphCapture(graph):
+            y = x + 1
+            prefetch(y, buf)
+            torch.cuda.current_stream().wait_event(done)
+            out = buf - 1
+    assert not [w for w in caught if "bcg" in str(w.message)]
+    assert_idle()
+    assert graph.step_kinds == ("graph", "break", "graph")
+    for _ in range(3):
+        refresh(x)
+        buf.zero_()  # stale data would show up as -1 in `out`
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, (x + 1) * 3 - 1)

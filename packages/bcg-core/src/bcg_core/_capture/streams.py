@@ -34,7 +34,8 @@ class StreamTracker:
         self._backend = backend
         self._forked: dict[int, Any] = {}
         self._ever_forked: dict[int, Any] = {}
-        self._events: dict[int, tuple[Any, Any]] = {}
+        # id(event) -> (event, the stream it was recorded on, whether a break recorded it)
+        self._events: dict[int, tuple[Any, Any, bool]] = {}
         self._break: dict[int, Any] | None = None
         # Streams joined by join_all at a segment's end (auto_join), for the whole capture: a
         # later segment's wait on one is dropped as a wait on uncaptured work, but said so.
@@ -43,7 +44,8 @@ class StreamTracker:
     def begin_segment(self) -> None:
         self._forked.clear()
         self._ever_forked.clear()
-        self._events.clear()
+        # A break's records are kept: a later segment's wait on one is dropped (drops_wait).
+        self._events = {key: record for key, record in self._events.items() if record[2]}
 
     def unjoined(self) -> list[Any]:
         return list(self._forked.values())
@@ -69,7 +71,7 @@ class StreamTracker:
 
     def on_record(self, event: Any, stream: Any) -> None:
         # Keep the event object alive while its id is a key, so ids cannot be recycled.
-        self._events[id(event)] = (event, stream)
+        self._events[id(event)] = (event, stream, self._break is not None)
         self._touch(stream)
 
     def drops_wait(self, stream: Any, event: Any) -> bool:
@@ -77,7 +79,8 @@ class StreamTracker:
         call site): ``stream`` is capturing and ``event`` marks work recorded on a stream that
         is not (``side.wait_stream`` at capture, ``side`` holding eager work from before). CUDA
         refuses such a dependency ("dependency created on uncaptured work in another stream")
-        and a replay could not honour it anyway: the work waited for is not in the graph."""
+        and a replay could not honour it anyway: the work waited for is not in the graph. A
+        wait on an event a break recorded is dropped too, silently: it holds already."""
         record = self._events.get(id(event))
         if record is None or self._break is not None:
             return False
@@ -86,6 +89,11 @@ class StreamTracker:
             return False
         if status(record[1]).status is not CaptureStatus.NONE:
             return False
+        if record[2]:
+            # Recorded by a break: the streams a break touches are joined into the capturing
+            # stream after it, and at every replay, so the wait holds already; dropped without
+            # a word (made, CUDA refused it as a wait on uncaptured work, failing the capture).
+            return True
         where = user_location() or "an unknown line"
         if record[1].cuda_stream in self._auto_joined:
             # A fork joined in a later segment than its fork's (the "uncaptured work" text sent
