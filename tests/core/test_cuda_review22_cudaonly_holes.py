@@ -147,3 +147,28 @@ def test_a_segment_waiting_on_an_event_a_break_recorded_captures() -> None:
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, (x + 1) * 3 - 1)
+
+
+def test_an_event_recorded_on_a_torch_accelerator_stream_forks_a_side_stream() -> None:
+    # torch.accelerator.current_stream() is a torch.Stream, not a torch.cuda.Stream: it has no
+    # cuda_stream, and the tracker's bookkeeping of a wait on an event recorded on it failed the
+    # capture with an AttributeError.
+    side = torch.cuda.Stream()
+    x = randn(64)
+    torch.cuda.synchronize()
+    graph = BreakableCUDAGraph()
+    with BreakableCUDAGraphCapture(graph):
+        y = x * 2
+        fork = torch.cuda.Event()
+        fork.record(torch.accelerator.current_stream())
+        side.wait_event(fork)
+        with torch.cuda.stream(side):
+            z = y + 1
+        torch.cuda.current_stream().wait_stream(side)
+        out = _plus_one(z)
+    assert_idle()
+    for _ in range(3):
+        refresh(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, x * 2 + 2)

@@ -249,6 +249,21 @@ def _end_pool_routing(pool: Any) -> None:
     release(index, pid)
 
 
+def _cuda_stream(stream: Any) -> Any:
+    """``stream`` (None: the current one) as a ``torch.cuda.Stream``: torch.accelerator hands
+    out ``torch.Stream`` objects, which have no ``cuda_stream`` (the tracker's key; an event
+    recorded on one failed the capture with an AttributeError)."""
+    if stream is None:
+        return torch.cuda.current_stream()
+    if isinstance(stream, torch.cuda.Stream):
+        return stream
+    return torch.cuda.Stream(  # type: ignore[no-untyped-call]
+        stream_id=stream.stream_id,
+        device_index=stream.device_index,
+        device_type=stream.device_type,
+    )
+
+
 def _install_stream_hooks(observer: StreamObserver) -> Callable[[], None]:
     # Event.record/Event.wait are what Stream.record_event, Stream.wait_event and
     # Stream.wait_stream go through; set_stream is what torch.cuda.stream goes through, and
@@ -267,11 +282,11 @@ def _install_stream_hooks(observer: StreamObserver) -> Callable[[], None]:
         record(self, stream)
         events = observer()
         if events is not None:
-            events.on_record(self, stream if stream is not None else torch.cuda.current_stream())
+            events.on_record(self, _cuda_stream(stream))
 
     def event_wait(self: Any, stream: Any = None) -> None:
         events = observer()
-        target = stream if stream is not None else torch.cuda.current_stream()
+        target = _cuda_stream(stream)
         if events is not None and events.drops_wait(target, self):
             return
         wait(self, stream)
@@ -282,7 +297,7 @@ def _install_stream_hooks(observer: StreamObserver) -> Callable[[], None]:
         set_stream(stream)
         events = observer()
         if events is not None and stream is not None:
-            events.on_set_stream(stream)
+            events.on_set_stream(_cuda_stream(stream))
 
     def stream_enter(self: Any) -> Any:
         assert enter is not None
