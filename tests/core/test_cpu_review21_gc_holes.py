@@ -10,6 +10,7 @@ what the path left to the collector.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from collections.abc import Callable
@@ -19,7 +20,17 @@ import pytest
 import torch
 
 import bcg_core
-from bcg_core import check_capture
+from bcg_core import BreakableGraphRunner, check_capture, eager_on_graph
+
+
+@eager_on_graph(name="review21_tanh")
+def _tanh(h: torch.Tensor) -> torch.Tensor:
+    return h.tanh()
+
+
+@dataclasses.dataclass
+class _Box:
+    t: torch.Tensor
 
 
 def left_to_the_collector(run: Callable[[], Any]) -> list[str]:
@@ -81,5 +92,19 @@ def test_a_continuous_batching_engine_leaves_nothing_to_the_garbage_collector(
         with bcg_core.enable_continuous_batching(model, capture_after=0) as handle:
             model.generate_batch([[1, 2, 3, 4, 5], [6, 7, 8]], gen, continuous_batching_config=cb)
             assert handle.stats().graphs >= 1
+
+    assert left_to_the_collector(run) == []
+
+
+def test_a_runner_called_with_an_object_leaves_nothing_to_the_garbage_collector() -> None:
+    # Finding the objects in a call (_trees.outer_objects, at every capture) left a recursive
+    # closure in a cycle holding the list of them: the caller's objects, and their tensors,
+    # outlived the runner until the collector ran.
+    def run() -> None:
+        runner = BreakableGraphRunner(lambda b: _tanh(b.t * 2) + 1, device="cpu", warmup_iters=0)
+        box = _Box(torch.randn(4))
+        assert torch.equal(runner.capture(box), (box.t * 2).tanh() + 1)
+        assert torch.equal(runner(box), (box.t * 2).tanh() + 1)
+        runner.reset()
 
     assert left_to_the_collector(run) == []
