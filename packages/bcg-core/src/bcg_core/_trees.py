@@ -389,46 +389,51 @@ def map_tensors(
     return tuple(mapped) if kind is tuple else mapped
 
 
+# The walks below are module functions, not closures: a recursive closure holds itself, and the
+# cycle kept what it found (a runner's call's objects and their tensors) for the garbage
+# collector after the caller let go.
+
+
 def object_ids(obj: Any) -> set[int]:
     """The ids of the dataclasses and plain objects in ``obj``, and in them."""
     found: set[int] = set()
-
-    def walk(node: Any, active: set[int]) -> None:
-        kind = _kind(node)
-        if kind is None or id(node) in active or id(node) in found:
-            return
-        if kind != _PYTREE:
-            found.add(id(node))
-        active.add(id(node))
-        for child in _children(node, kind)[0]:
-            if not isinstance(child, torch.Tensor) and type(child) not in SCALARS:
-                walk(child, active)
-        active.discard(id(node))
-
-    walk(obj, set())
+    _walk_object_ids(obj, set(), found)
     return found
+
+
+def _walk_object_ids(node: Any, active: set[int], found: set[int]) -> None:
+    kind = _kind(node)
+    if kind is None or id(node) in active or id(node) in found:
+        return
+    if kind != _PYTREE:
+        found.add(id(node))
+    active.add(id(node))
+    for child in _children(node, kind)[0]:
+        if not isinstance(child, torch.Tensor) and type(child) not in SCALARS:
+            _walk_object_ids(child, active, found)
+    active.discard(id(node))
 
 
 def outer_objects(obj: Any) -> list[Any]:
     """The dataclasses and plain objects in ``obj`` that no other one holds, in walk order."""
     found: list[Any] = []
-
-    def walk(node: Any, active: set[int]) -> None:
-        if isinstance(node, torch.Tensor) or type(node) in SCALARS:
-            return
-        kind = _kind(node)
-        if kind is None or id(node) in active:
-            return
-        if kind != _PYTREE:
-            found.append(node)
-            return
-        active.add(id(node))
-        for child in _children(node, kind)[0]:
-            walk(child, active)
-        active.discard(id(node))
-
-    walk(obj, set())
+    _walk_outer_objects(obj, set(), found)
     return found
+
+
+def _walk_outer_objects(node: Any, active: set[int], found: list[Any]) -> None:
+    if isinstance(node, torch.Tensor) or type(node) in SCALARS:
+        return
+    kind = _kind(node)
+    if kind is None or id(node) in active:
+        return
+    if kind != _PYTREE:
+        found.append(node)
+        return
+    active.add(id(node))
+    for child in _children(node, kind)[0]:
+        _walk_outer_objects(child, active, found)
+    active.discard(id(node))
 
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], Any], into_objects: bool, active: set[int]) -> Any:

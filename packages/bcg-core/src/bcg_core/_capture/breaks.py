@@ -155,7 +155,11 @@ def eager_on_graph(
         if isinstance(f, (staticmethod, classmethod)):
             # Applied over @staticmethod/@classmethod: wrap the function and keep the kind (a
             # plain wrapper in the class would bind the instance as the first argument).
-            return type(f)(decorate(f.__func__))
+            # (Through eager_on_graph, not decorate itself: a closure holding itself is a cycle.)
+            again = eager_on_graph(
+                enable=enable, capture_stub=capture_stub, strict=strict, name=name, gated=gated
+            )
+            return type(f)(again(f.__func__))
         if not callable(f):
             raise TypeError(f"@eager_on_graph decorates a callable, got {f!r}")
         break_name: str = name or getattr(f, "__qualname__", None) or repr(f)
@@ -176,6 +180,12 @@ def eager_on_graph(
                 if opaque.traceable(args, kwargs):
                     return opaque.call(opaque_id, args, kwargs)
                 return graph_broken(*args, **kwargs)
+            return run(*args, **kwargs)
+
+        # The break at run time, apart from the wrapper: graph_broken wraps this, not the
+        # wrapper, which holds graph_broken (a cycle kept every dropped break's function, and
+        # what its closure holds, a model or tensors, for the garbage collector).
+        def run(*args: Any, **kwargs: Any) -> Any:
             if gated and not is_in_breakable_cuda_graph():
                 return f(*args, **kwargs)
             state = active_capture()
@@ -192,12 +202,12 @@ def eager_on_graph(
             record = _record_undynamo if "torch._dynamo" in sys.modules else _record
             return record(state, f, capture_stub, strict, break_name, args, kwargs)
 
-        # The opaque op's real implementation is the wrapper itself (not compiling then).
+        # The opaque op's real implementation is the wrapper itself (run, not compiling then).
         opaque_id = opaque.register(wrapper, capture_stub or f, break_name, weak=True)
         # Dynamo graph-breaks at a dynamo-disabled function and calls it eagerly at run time.
         # (torch's lazy form of torch.compiler.disable: importing dynamo up front would cost
         # every process ~1 s.)
-        graph_broken = torch._disable_dynamo(wrapper, recursive=True)  # type: ignore[attr-defined]
+        graph_broken = torch._disable_dynamo(run, recursive=True)  # type: ignore[attr-defined]
         return wrapper
 
     return decorate if fn is None else decorate(fn)

@@ -76,17 +76,20 @@ def check_capture(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Captu
         # logging the capture-failure hint.)
         raise TypeError(f"check_capture needs a callable (a model or a function), got {fn!r}")
     graph = BreakableCUDAGraph(backend="cpu")
-    failure: BreakableGraphError | None = None
+    failed: CaptureCheck | None = None
     with enable_breakable_cuda_graph():
         try:
             with BreakableCUDAGraphCapture(graph):
                 fn(*args, **kwargs)
         except BreakableGraphError as exc:
-            failure = exc
+            # The outcome, not the error, outlives the except block: a local holding the error
+            # made a cycle (its traceback holds this frame) that left the graph, its recorder
+            # and the call's tensors to the garbage collector.
+            failed = failed_check(exc)
     try:
-        if failure is None:
+        if failed is None:
             return CaptureCheck(ok=True, segments=graph.num_segments, breaks=graph.num_breaks)
-        return failed_check(failure)
+        return failed
     finally:
         graph.reset()
 

@@ -457,6 +457,13 @@ def _wrap_compute(original: Callable[..., Any]) -> Callable[..., Any]:
 # -- one engine -----------------------------------------------------------------------------------
 
 
+def _call_weak(step: weakref.WeakMethod[Callable[[int], None]], bucket: int) -> None:
+    """Call a session's step through its weak method (the session runs it: it is alive)."""
+    method = step()
+    assert method is not None, "a session's runner outlived the session"
+    method(bucket)
+
+
 class _Session:
     """bcg's graphs for one engine (one transformers ``ModelRunner``): a runner keyed by the
     query bucket, sharing one pool. It reports to one record (the model's, while enabled);
@@ -486,8 +493,12 @@ class _Session:
         interval = tf_runner.cb_config.q_padding_interval_size
         device = torch.device(model.device)
         buckets = ceil(tf_runner.cache.max_batch_tokens / interval) if interval > 0 else 1
+        # The runner calls the step through a weak method: self._step itself made a cycle
+        # (session -> runner -> bound method -> session), which left a dropped engine's graphs,
+        # pool and tensors to the garbage collector (on CUDA: a capture lane, a workspace).
+        step: weakref.WeakMethod[Callable[[int], None]] = weakref.WeakMethod(self._step)
         self.runner = BreakableGraphRunner(
-            self._step,
+            lambda bucket: _call_weak(step, bucket),
             device=device,
             max_entries=buckets,
             # One eager run first makes the library handles (cuBLAS) a CUDA capture needs.
