@@ -17,6 +17,7 @@ never destroyed, so there are as many as pools were ever alive at once.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -63,6 +64,8 @@ _SEPARATE_LT_WORKSPACE = os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "").
 _lock = threading.RLock()  # re-entrant: a CudaPool's finalizer may run inside a locked block
 _leased: dict[tuple[int, ...], CaptureLane] = {}
 _free: dict[int, list[CaptureLane]] = {}
+# Pools collected while another thread held _lock: given back by the next lease (see _give_back).
+_returned: collections.deque[tuple[int, ...]] = collections.deque()
 
 
 def lease_lane(pool: Any, index: int) -> CaptureLane:
@@ -71,6 +74,8 @@ def lease_lane(pool: Any, index: int) -> CaptureLane:
     # a bare pool id by the id.
     key = (index, id(pool)) if isinstance(pool, CudaPool) else (index, *pool_id(pool))
     with _lock:
+        while _returned:
+            _release(_returned.popleft())
         lane = _leased.get(key)
         if lane is None:
             free = _free.setdefault(index, [])
@@ -90,10 +95,23 @@ def make_spare_lane(index: int) -> None:
 
 
 def _give_back(key: tuple[int, ...]) -> None:
-    with _lock:
-        lane = _leased.pop(key, None)
-        if lane is not None:
-            _free.setdefault(lane.index, []).append(lane)
+    # A pool's finalizer runs wherever a garbage collection does: possibly in a thread that
+    # holds the graph lock (cuda_graph.py) while another thread, inside lease_lane, holds _lock
+    # and waits for the graph lock to make a lane. Waiting for _lock here would deadlock both,
+    # so the key is queued instead when _lock is taken, and the next lease gives it back.
+    if not _lock.acquire(blocking=False):
+        _returned.append(key)
+        return
+    try:
+        _release(key)
+    finally:
+        _lock.release()
+
+
+def _release(key: tuple[int, ...]) -> None:
+    lane = _leased.pop(key, None)
+    if lane is not None:
+        _free.setdefault(lane.index, []).append(lane)
 
 
 def _private_stream() -> torch.cuda.Stream:
