@@ -735,6 +735,7 @@ class BreakableGraphRunner:
         with backend.stream_context(current):
             pool, lane = self.pool, self.stream
         self._turn.busy = self
+        entry: Entry | None = None
         try:
             with backend.stream_context(current):
                 entry = capture_entry(
@@ -760,7 +761,12 @@ class BreakableGraphRunner:
                 self._pool = None
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt, SystemExit: the pool rule kept, the signature not blamed
-            return self._capture_failed(sig, exc, call)
+            self._capture_failed(sig, exc)
+        if entry is None:
+            # Served eagerly only here, past the except block: the error's traceback holds the
+            # failed capture's frames (its graph, pool and static buffers), which the eager run
+            # would otherwise keep alive, a second copy of the step's memory at its peak.
+            return self.module(*call[0], **call[1])
         self._turn.busy = None
         if self._mode_module is not None:
             entry.training = self._mode_module.training
@@ -840,7 +846,9 @@ class BreakableGraphRunner:
             why = "an argument the graph writes shares memory with another argument or object"
         return sig, why
 
-    def _capture_failed(self, sig: Signature, exc: Exception, call: Call) -> Any:
+    def _capture_failed(self, sig: Signature, exc: Exception) -> None:
+        """Count and report a failed capture and block its signature; the caller runs the call
+        eagerly."""
         self._counts["failed"] += 1
         hint = capture_refusal_hint(exc)
         why = f"{type(exc).__name__}: {exc}" + ("" if hint is None else f" [{hint}]")
@@ -853,7 +861,7 @@ class BreakableGraphRunner:
                 sig,
                 exc,
             )
-            return self.module(*call[0], **call[1])
+            return
         self._blocked[sig] = why
         logger.warning(
             "bcg: capture failed for the call with %s (%s); this signature runs eagerly "
@@ -861,7 +869,6 @@ class BreakableGraphRunner:
             describe_signature(sig),
             why,
         )
-        return self.module(*call[0], **call[1])
 
     def _eager_miss(self, why: str, call: Call) -> Any:
         """Run ``call`` eagerly as a miss; ``why`` is what :meth:`capture_many` reports."""
