@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
-from cuda_helpers import randn
+from cuda_helpers import randn, refresh
 
 from bcg_core import BreakableCUDAGraph, BreakableCUDAGraphCapture, eager_on_graph
 from bcg_core._backends import cuda_lanes  # noqa: PLC2701
@@ -65,3 +66,38 @@ def test_a_pool_collected_while_another_thread_leases_a_lane_does_not_wait_for_i
     x.copy_(refreshed)
     again.replay()
     torch.testing.assert_close(out, (refreshed + 1) * 2 - 1)
+
+
+_marks: list[torch.cuda.Event] = []
+
+
+@eager_on_graph(name="mark25")
+def _mark(t: torch.Tensor) -> torch.Tensor:
+    out = t + 1
+    _marks[0].record()  # on the caller's stream: the capturing stream, between segments
+    return out
+
+
+def test_waits_on_events_of_an_earlier_segment_and_of_a_break_capture_and_replay() -> None:
+    # Both waits reached CUDA, which refused them (a raw capture error): the tracker forgot the
+    # first segment's records at the break, and checked the break's record on the capturing
+    # stream as a capturing stream's. Both are ordered before the waiting segment already.
+    x = randn(32)
+    early = torch.cuda.Event()
+    _marks[:] = [torch.cuda.Event()]
+    graph = BreakableCUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with BreakableCUDAGraphCapture(graph):
+            cap = torch.cuda.current_stream()
+            h = x * 2
+            early.record(cap)
+            y = _mark(h)
+            cap.wait_event(early)
+            cap.wait_event(_marks[0])
+            out = y * 3
+    assert (graph.num_segments, graph.num_breaks) == (2, 1)
+    for _ in range(2):
+        refresh(x)
+        graph.replay()
+        torch.testing.assert_close(out, (x * 2 + 1) * 3)

@@ -34,7 +34,8 @@ class StreamTracker:
         self._backend = backend
         self._forked: dict[int, Any] = {}
         self._ever_forked: dict[int, Any] = {}
-        # id(event) -> (event, the stream it was recorded on, whether a break recorded it)
+        # id(event) -> (event, the stream it was recorded on, whether it is ordered before the
+        # current segment: a break or an earlier segment recorded it)
         self._events: dict[int, tuple[Any, Any, bool]] = {}
         self._break: dict[int, Any] | None = None
         # Streams joined by join_all at a segment's end (auto_join), for the whole capture: a
@@ -44,8 +45,9 @@ class StreamTracker:
     def begin_segment(self) -> None:
         self._forked.clear()
         self._ever_forked.clear()
-        # A break's records are kept: a later segment's wait on one is dropped (drops_wait).
-        self._events = {key: record for key, record in self._events.items() if record[2]}
+        # Every record is kept, now ordered before this segment: a wait on one is dropped
+        # (drops_wait). Forgotten, such a wait was made, and CUDA refused it (raw error).
+        self._events = {key: (event, on, True) for key, (event, on, _) in self._events.items()}
 
     def unjoined(self) -> list[Any]:
         return list(self._forked.values())
@@ -87,13 +89,15 @@ class StreamTracker:
         status = self._backend.capture_info
         if status(stream).status is not CaptureStatus.ACTIVE:
             return False
+        if record[2]:
+            # Recorded by a break or an earlier segment: the streams a break touches are joined
+            # into the capturing stream after it, a segment's forks when it ends (auto_join;
+            # without it an unjoined fork failed the capture), at capture and at every replay,
+            # so the wait holds already. Dropped without a word (made, CUDA refused it as a
+            # wait on work outside this segment's capture, failing the capture).
+            return True
         if status(record[1]).status is not CaptureStatus.NONE:
             return False
-        if record[2]:
-            # Recorded by a break: the streams a break touches are joined into the capturing
-            # stream after it, and at every replay, so the wait holds already; dropped without
-            # a word (made, CUDA refused it as a wait on uncaptured work, failing the capture).
-            return True
         where = user_location() or "an unknown line"
         if record[1].cuda_stream in self._auto_joined:
             # A fork joined in a later segment than its fork's (the "uncaptured work" text sent
