@@ -7,8 +7,8 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import os
 import sys
+import tempfile
 import traceback
 import types
 from collections.abc import Callable, Sequence
@@ -96,6 +96,14 @@ def bench(args: argparse.Namespace) -> int:
         if problem is not None:  # said now, not after the whole run (whose figures it loses)
             print(f"bcg bench: {option} {path}: {problem}", file=sys.stderr)
             return 2
+    if (
+        args.json is not None
+        and args.plot is not None
+        and args.json.resolve() == args.plot.resolve()
+    ):
+        # The PNG was written over the JSON just written: both said "wrote", the figures lost.
+        print(f"bcg bench: --plot {args.plot} is the --json file; give another", file=sys.stderr)
+        return 2
     device = _device()
     repeats = args.repeats if args.repeats is not None else (3 if args.smoke else 10)
     steps = args.steps if args.steps is not None else (3 if args.smoke else 20)
@@ -143,8 +151,17 @@ def _unwritable(path: Path) -> str | None:
         folder = folder.parent
     if not folder.is_dir():
         return f"{folder} is not a folder"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"cannot write in {folder}"
+    # Tried, not asked of os.access: it reads permission bits, and says yes to root in a folder
+    # that refuses new files (/proc, a read-only mount), where the run then lost its figures.
+    try:
+        if path.exists():
+            with path.open("ab"):  # appends nothing: the file is kept as it is
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+    except OSError as exc:
+        return f"cannot write {path if path.exists() else f'in {folder}'} ({exc.strerror})"
     return None
 
 
