@@ -74,3 +74,16 @@ def test_a_plugin_that_cannot_be_imported_does_not_break_other_workloads(
     assert len(broken) == 1 and "broken_bcg_plugin_missing_module" in broken[0]["skipped"]
     assert any(m["workload"] == "break-overhead" and m["correct"] for m in rows)
     assert "broken_bcg_plugin_missing_module" not in sys.modules
+
+
+def test_check_takes_a_file_in_a_folder_whose_name_has_a_colon(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The target was split at its first colon: "/x/run:3/model.py:clean" looked for a module
+    # "/x/run" (exit 2, "no module"), a colon being a legal folder name (and a Windows drive).
+    folder = tmp_path / "run:3"
+    folder.mkdir()
+    (folder / "model.py").write_text("import torch\n\ndef clean():\n    return torch.ones(2) * 2\n")
+    target = f"{folder}/model.py:clean"
+    assert main(["check", target]) == 0
+    assert capsys.readouterr().out.startswith(f"{target}: captures cleanly")

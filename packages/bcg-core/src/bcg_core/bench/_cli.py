@@ -196,7 +196,8 @@ def _load(target: str) -> Callable[[], Any]:
     """The zero-argument callable ``FILE.py:NAME`` or ``MODULE:NAME`` names. A file is loaded
     by its path under a module name of its own, never imported by its stem (a file called
     ``random.py`` must not resolve to the standard library's ``random``)."""
-    source, _, attr = target.partition(":")
+    # At the last colon: a name has none, a path may ("run:3/model.py", a Windows drive).
+    source, _, attr = target.rpartition(":")
     if not source or not attr:
         raise _TargetError(f"expected FILE.py:FUNCTION or MODULE:FUNCTION, got {target!r}")
     if source.endswith(".py"):
