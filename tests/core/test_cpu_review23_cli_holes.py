@@ -46,14 +46,12 @@ def test_json_and_plot_to_the_same_file_is_refused_before_the_run(
     assert not out.exists()
 
 
-def _broken_plugin(folder: Path) -> None:
-    """A distribution whose ``bcg.workloads`` entry point cannot be imported."""
+def _broken_plugin(folder: Path, value: str = "broken_bcg_plugin_missing_module:workload") -> None:
+    """A distribution whose ``bcg.workloads`` entry point ``broken`` is ``value``."""
     info = folder / "broken_bcg_plugin-1.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-bcg-plugin\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[bcg.workloads]\nbroken = broken_bcg_plugin_missing_module:workload\n"
-    )
+    (info / "entry_points.txt").write_text(f"[bcg.workloads]\nbroken = {value}\n")
 
 
 def test_a_plugin_that_cannot_be_imported_does_not_break_other_workloads(
@@ -87,3 +85,25 @@ def test_check_takes_a_file_in_a_folder_whose_name_has_a_colon(
     target = f"{folder}/model.py:clean"
     assert main(["check", target]) == 0
     assert capsys.readouterr().out.startswith(f"{target}: captures cleanly")
+
+
+def test_a_workload_that_raises_keeps_the_other_workloads_figures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A workload raising after others ran was a traceback: no table, no --json, the figures of
+    # the workloads before it lost (a contender's set-up raising was already a skipped row).
+    (tmp_path / "review23_raising_plugin.py").write_text(
+        "def workload(ctx):\n    raise RuntimeError('review23 workload bug')\n"
+    )
+    _broken_plugin(tmp_path, "review23_raising_plugin:workload")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "r.json"
+    argv = ["bench", "--smoke", "break-overhead", "broken", "--repeats", "1", "--steps", "1"]
+    assert main([*argv, "--json", str(out)]) == 1  # something failed: not a clean run
+    rows = json.loads(out.read_text())["measurements"]
+    assert any(m["workload"] == "break-overhead" and m["correct"] for m in rows)
+    broken = [m for m in rows if m["workload"] == "broken"]
+    assert len(broken) == 1 and "review23 workload bug" in broken[0]["skipped"]
+    printed, err = capsys.readouterr()
+    assert "break-overhead" in printed
+    assert "review23 workload bug" in err  # its traceback, for the plugin's author

@@ -111,10 +111,19 @@ def bench(args: argparse.Namespace) -> int:
         device, smoke=args.smoke, repeats=repeats, steps=steps, skip=frozenset(args.skip)
     )
     results: list[Measurement] = []
+    raised = []
     with progress("bench") as update:
         ctx.progress = update
         for name in names:
-            results += workloads[name](ctx)
+            try:
+                results += workloads[name](ctx)
+            except Exception as exc:
+                # A traceback here lost the table, --json and every figure taken so far: the
+                # workload is a row saying why (its traceback on stderr), and the run exits 1.
+                traceback.print_exc()
+                why = f"raised {type(exc).__name__}: {exc}"
+                results.append(Measurement(name, "-", "-", None, skipped=why))
+                raised.append(name)
     title = f"bcg bench{' --smoke' if args.smoke else ''} on {device.type}"
     print_table(title, results)
     if args.json:
@@ -139,7 +148,9 @@ def bench(args: argparse.Namespace) -> int:
     wrong = [m for m in results if m.correct is False]
     for m in wrong:
         print(f"WRONG RESULT: {m.workload} {m.case} {m.contender} differs from eager")
-    return 1 if wrong else 0
+    for name in raised:
+        print(f"bcg bench: workload {name} raised (traceback above)", file=sys.stderr)
+    return 1 if wrong or raised else 0
 
 
 def _unwritable(path: Path) -> str | None:
@@ -349,12 +360,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit status: 0 on success; 1 when a result is wrong (a replay differs from eager,
-        a check fails); 2 for an unknown workload, a ``--json``/``--plot`` path that cannot
-        be written (said before the run), or a ``bcg check`` target that cannot be used (not
-        found, not callable, raising on import, returning the wrong thing or input sets the
-        divergence check refuses; or ``--backend
-        cuda`` without CUDA, or a divergence option without ``--divergence``), reported in one
-        line on stderr.
+        a check fails) or a bench workload raised (the others still run and are reported); 2
+        for an unknown workload, a ``--json``/``--plot`` path that cannot be written (said
+        before the run), or a ``bcg check`` target that cannot be used (not found, not
+        callable, raising on import, returning the wrong thing or input sets the divergence
+        check refuses; or ``--backend cuda`` without CUDA, or a divergence option without
+        ``--divergence``), reported in one line on stderr.
 
     Raises:
         SystemExit: bad command-line arguments (argparse's usage error, status 2).
