@@ -7,8 +7,8 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import os
 import sys
+import tempfile
 import traceback
 import types
 from collections.abc import Callable, Sequence
@@ -96,6 +96,14 @@ def bench(args: argparse.Namespace) -> int:
         if problem is not None:  # said now, not after the whole run (whose figures it loses)
             print(f"bcg bench: {option} {path}: {problem}", file=sys.stderr)
             return 2
+    if (
+        args.json is not None
+        and args.plot is not None
+        and args.json.resolve() == args.plot.resolve()
+    ):
+        # The PNG was written over the JSON just written: both said "wrote", the figures lost.
+        print(f"bcg bench: --plot {args.plot} is the --json file; give another", file=sys.stderr)
+        return 2
     device = _device()
     repeats = args.repeats if args.repeats is not None else (3 if args.smoke else 10)
     steps = args.steps if args.steps is not None else (3 if args.smoke else 20)
@@ -103,10 +111,19 @@ def bench(args: argparse.Namespace) -> int:
         device, smoke=args.smoke, repeats=repeats, steps=steps, skip=frozenset(args.skip)
     )
     results: list[Measurement] = []
+    raised = []
     with progress("bench") as update:
         ctx.progress = update
         for name in names:
-            results += workloads[name](ctx)
+            try:
+                results += workloads[name](ctx)
+            except Exception as exc:
+                # A traceback here lost the table, --json and every figure taken so far: the
+                # workload is a row saying why (its traceback on stderr), and the run exits 1.
+                traceback.print_exc()
+                why = f"raised {type(exc).__name__}: {exc}"
+                results.append(Measurement(name, "-", "-", None, skipped=why))
+                raised.append(name)
     title = f"bcg bench{' --smoke' if args.smoke else ''} on {device.type}"
     print_table(title, results)
     if args.json:
@@ -131,7 +148,9 @@ def bench(args: argparse.Namespace) -> int:
     wrong = [m for m in results if m.correct is False]
     for m in wrong:
         print(f"WRONG RESULT: {m.workload} {m.case} {m.contender} differs from eager")
-    return 1 if wrong else 0
+    for name in raised:
+        print(f"bcg bench: workload {name} raised (traceback above)", file=sys.stderr)
+    return 1 if wrong or raised else 0
 
 
 def _unwritable(path: Path) -> str | None:
@@ -143,8 +162,17 @@ def _unwritable(path: Path) -> str | None:
         folder = folder.parent
     if not folder.is_dir():
         return f"{folder} is not a folder"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"cannot write in {folder}"
+    # Tried, not asked of os.access: it reads permission bits, and says yes to root in a folder
+    # that refuses new files (/proc, a read-only mount), where the run then lost its figures.
+    try:
+        if path.exists():
+            with path.open("ab"):  # appends nothing: the file is kept as it is
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+    except OSError as exc:
+        return f"cannot write {path if path.exists() else f'in {folder}'} ({exc.strerror})"
     return None
 
 
@@ -179,7 +207,8 @@ def _load(target: str) -> Callable[[], Any]:
     """The zero-argument callable ``FILE.py:NAME`` or ``MODULE:NAME`` names. A file is loaded
     by its path under a module name of its own, never imported by its stem (a file called
     ``random.py`` must not resolve to the standard library's ``random``)."""
-    source, _, attr = target.partition(":")
+    # At the last colon: a name has none, a path may ("run:3/model.py", a Windows drive).
+    source, _, attr = target.rpartition(":")
     if not source or not attr:
         raise _TargetError(f"expected FILE.py:FUNCTION or MODULE:FUNCTION, got {target!r}")
     if source.endswith(".py"):
@@ -331,12 +360,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit status: 0 on success; 1 when a result is wrong (a replay differs from eager,
-        a check fails); 2 for an unknown workload, a ``--json``/``--plot`` path that cannot
-        be written (said before the run), or a ``bcg check`` target that cannot be used (not
-        found, not callable, raising on import, returning the wrong thing or input sets the
-        divergence check refuses; or ``--backend
-        cuda`` without CUDA, or a divergence option without ``--divergence``), reported in one
-        line on stderr.
+        a check fails) or a bench workload raised (the others still run and are reported); 2
+        for an unknown workload, a ``--json``/``--plot`` path that cannot be written (said
+        before the run), or a ``bcg check`` target that cannot be used (not found, not
+        callable, raising on import, returning the wrong thing or input sets the divergence
+        check refuses; or ``--backend cuda`` without CUDA, or a divergence option without
+        ``--divergence``), reported in one line on stderr.
 
     Raises:
         SystemExit: bad command-line arguments (argparse's usage error, status 2).

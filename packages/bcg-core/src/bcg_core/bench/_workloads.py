@@ -47,8 +47,24 @@ def discover() -> dict[str, Workload]:
     }
     for ep in importlib.metadata.entry_points(group=WORKLOAD_GROUP):
         if ep.name not in found:
-            found[ep.name] = ep.load()
+            found[ep.name] = _plugin(ep)
     return found
+
+
+def _plugin(ep: importlib.metadata.EntryPoint) -> Workload:
+    """An entry point's workload, loaded when it runs. Loaded up front, one installed plugin
+    that failed to import made every ``bcg bench`` a traceback; now only its own run is one
+    row, skipped with the import error, next to the other workloads' figures."""
+
+    def run(ctx: BenchContext) -> list[Measurement]:
+        try:
+            workload: Workload = ep.load()
+        except Exception as exc:
+            why = f"cannot load {ep.value}: {type(exc).__name__}: {exc}"
+            return [Measurement(ep.name, "-", "-", None, skipped=why)]
+        return workload(ctx)
+
+    return run
 
 
 def _lazy(module: str, name: str) -> Workload:
