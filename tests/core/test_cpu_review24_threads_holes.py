@@ -5,6 +5,7 @@ sleeps) and joined with a timeout, so a hang fails the test instead of the suite
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import sys
 import threading
@@ -396,4 +397,34 @@ def test_a_graph_reset_on_another_thread_as_a_replay_starts_is_refused() -> None
     assert len(refused) == 1, "reset() dropped the segments of a replay running on another thread"
     assert torch.equal(out, _eager(x))
     graph.reset()
+    _clean()
+
+
+def test_one_flag_block_object_entered_by_two_tasks_restores_each_task() -> None:
+    """The same for two asyncio tasks of one thread whose blocks interleave."""
+    block = bcg_core.disable_breakable_graphs()
+    seen: dict[str, bool] = {}
+
+    async def main() -> None:
+        a_in, b_in, a_out = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def first() -> None:
+            with block:
+                a_in.set()
+                await b_in.wait()
+            seen["a after"] = bcg_core.breakable_graphs_disabled()
+            a_out.set()
+
+        async def second() -> None:
+            await a_in.wait()
+            with block:
+                b_in.set()
+                await a_out.wait()
+                seen["b inside"] = bcg_core.breakable_graphs_disabled()
+            seen["b after"] = bcg_core.breakable_graphs_disabled()
+
+        await asyncio.wait_for(asyncio.gather(first(), second()), _TIMEOUT)
+
+    asyncio.run(main())
+    assert seen == {"a after": False, "b inside": True, "b after": False}
     _clean()
