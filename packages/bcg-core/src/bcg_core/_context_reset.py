@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 from contextvars import Token
 from typing import Any
 
@@ -19,3 +21,17 @@ def reset_var(token: Token[Any]) -> None:
     """
     with contextlib.suppress(ValueError):
         token.var.reset(token)
+
+
+def running_task() -> object:
+    """The asyncio task running on this thread, or None (no loop running, or a callback)."""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None or asyncio.events._get_running_loop() is None:
+        return None
+    return asyncio.current_task()
+
+
+def context_key() -> tuple[int, object]:
+    """This thread and the asyncio task running on it (None outside one): what tells apart
+    the contexts that enter one block object at once."""
+    return threading.get_ident(), running_task()

@@ -311,16 +311,18 @@ class DiTRunner(BreakableGraphRunner):
             for patch in patches:
                 _owned.pop(patch, None)
 
-    def reset(self) -> None:
-        """As :meth:`bcg_core.BreakableGraphRunner.reset`; a closed runner stays disabled."""
-        super().reset()
-        if self._closed:
-            # Its breaks are released: a graph captured now would hold the attention it was
-            # made to break (state that attention reads would replay stale).
-            self.disabled_reason = (
-                "the DiTRunner was closed and its attention patches released; make a new "
-                "DiTRunner to capture again"
-            )
+    def _disabled_after_reset(self) -> str | None:
+        """A closed runner stays disabled, also after :meth:`reset`. Said by the reset itself,
+        under its lock: set after it returned, another thread's call in a warm-up window
+        between the two captured a graph that the closed runner then kept."""
+        if not self._closed:
+            return None
+        # Its breaks are released: a graph captured now would hold the attention it was made
+        # to break (state that attention reads would replay stale).
+        return (
+            "the DiTRunner was closed and its attention patches released; make a new "
+            "DiTRunner to capture again"
+        )
 
 
 class _Probe:

@@ -64,6 +64,7 @@ import torch
 import torch.utils._python_dispatch
 
 from bcg_core._compare import bitwise_equal
+from bcg_core._context_reset import running_task
 from bcg_core._errors import CaptureError, HostSyncError, ReplayError
 from bcg_core._source import user_location
 from bcg_core._trees import map_tensors, tensor_leaves
@@ -479,14 +480,6 @@ class HostScalar:
 _capture_ids = itertools.count(1)
 
 
-def _running_task() -> object:
-    """The asyncio task running on this thread, or None (no loop running, or a callback)."""
-    asyncio = sys.modules.get("asyncio")
-    if asyncio is None or asyncio.events._get_running_loop() is None:
-        return None
-    return asyncio.current_task()
-
-
 class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Runs and records the aten ops of one segment; :attr:`steps` replays them in order.
 
@@ -526,7 +519,7 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         self._hooks = hooks
         self._token = _ACTIVE.set(self)
         self._thread = threading.get_ident()
-        self._task = _running_task()
+        self._task = running_task()
         self.__enter__()  # type: ignore[no-untyped-call]
 
     def stop(self) -> None:
@@ -621,7 +614,7 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
             return active.__torch_dispatch__(func, types, args, kwargs)
         if (
             _ACTIVE.get() is not self
-            or (self._task is not None and _running_task() is not self._task)
+            or (self._task is not None and running_task() is not self._task)
         ) and threading.get_ident() == self._thread:
             self._foreign(func)
         kwargs = kwargs or {}

@@ -17,12 +17,13 @@ import contextlib
 import functools
 import inspect
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from contextvars import ContextVar, Token
 from typing import Any, TypeVar
 
-from bcg_core._context_reset import reset_var
+from bcg_core._context_reset import context_key, reset_var
 from bcg_core._env import EnvFlag, env_word
 from bcg_core._errors import BCG_FAILURE_HINT
 
@@ -32,6 +33,7 @@ _ENABLED: ContextVar[bool] = ContextVar("bcg_core_enabled", default=False)
 _DISABLED: ContextVar[bool] = ContextVar("bcg_core_disabled", default=False)
 _BCG_DISABLE = EnvFlag("BCG_DISABLE")
 _F = TypeVar("_F", bound=Callable[..., Any])
+_open_lock = threading.Lock()  # FlagBlock._open of every block: entered and left on any thread
 
 
 def bcg_disabled_by_env() -> bool:
@@ -71,7 +73,11 @@ class FlagBlock(contextlib.ContextDecorator):
     def __init__(self, block: Callable[[], AbstractContextManager[None]], name: str) -> None:
         self._block = block
         self._name = name
-        self._open: list[AbstractContextManager[None]] = []
+        # Open blocks with the thread and task that entered them: one block object entered in
+        # two threads at once (a module-level ``NO_BCG = disable_breakable_graphs()``) exited
+        # the other thread's block, whose reset cannot reach that thread, and both threads
+        # were left with the flag set.
+        self._open: list[tuple[tuple[int, object], AbstractContextManager[None]]] = []
 
     def _recreate_cm(self) -> FlagBlock:
         return FlagBlock(self._block, self._name)
@@ -79,10 +85,16 @@ class FlagBlock(contextlib.ContextDecorator):
     def __enter__(self) -> None:
         block = self._block()
         block.__enter__()
-        self._open.append(block)
+        with _open_lock:
+            self._open.append((context_key(), block))
 
     def __exit__(self, *exc_info: Any) -> bool | None:
-        return self._open.pop().__exit__(*exc_info)
+        key = context_key()
+        with _open_lock:
+            mine = [i for i, (k, _) in enumerate(self._open) if k == key]
+            # None entered here: left in another context (a generator's finaliser), the last.
+            _, block = self._open.pop(mine[-1] if mine else -1)
+        return block.__exit__(*exc_info)
 
     def __call__(self, func: _F) -> _F:
         if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):

@@ -274,21 +274,28 @@ class BreakableCUDAGraph:
                 "replay() was called while a breakable capture is active; replay after the "
                 "capture block has exited"
             )
-        # Replay never switches streams: the replay stream is simply torch's current stream.
-        plan = self._plan
-        if self._modes is not None and (now := current_modes()) != self._modes:
-            plan = self._plan_under(now)
-        i = 0
-        self._replaying += 1
+        # Checked again and counted at once, under reset()'s lock: a reset on another thread
+        # between the check above and the count dropped the segments of the replay under it.
+        with self._lock:
+            if self._state is not _State.CAPTURED:
+                raise ReplayError(self._not_ready())
+            self._replaying += 1
         try:
-            for i, run in enumerate(plan):  # noqa: B007 (i names the step that raised)
-                run()
-        except BaseException as exc:
-            if hasattr(exc, "add_note"):  # Python >= 3.11
-                exc.add_note(f"bcg: raised at replay by {self._step_label(i)}")
-            raise
+            # Replay never switches streams: the replay stream is simply torch's current stream.
+            plan = self._plan
+            if self._modes is not None and (now := current_modes()) != self._modes:
+                plan = self._plan_under(now)
+            i = 0
+            try:
+                for i, run in enumerate(plan):  # noqa: B007 (i names the step that raised)
+                    run()
+            except BaseException as exc:
+                if hasattr(exc, "add_note"):  # Python >= 3.11
+                    exc.add_note(f"bcg: raised at replay by {self._step_label(i)}")
+                raise
         finally:
-            self._replaying -= 1
+            with self._lock:
+                self._replaying -= 1
 
     def reset(self) -> None:
         """Drop all segments and breaks (and their bridges); keep the pool for the next capture.

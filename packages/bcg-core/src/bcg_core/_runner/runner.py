@@ -543,10 +543,16 @@ class BreakableGraphRunner:
             self._last = None
             self._blocked.clear()
             self._misses.clear()
-            self.disabled_reason = None
+            self.disabled_reason = self._disabled_after_reset()
             self._counts = dict.fromkeys(self._counts, 0)
             if self._owns_pool:
                 self._pool = None
+
+    def _disabled_after_reset(self) -> str | None:
+        """Why the runner stays disabled after :meth:`reset` (None: it is enabled again); set
+        under the lock, in the same step as the reset, so no call of another thread gets in
+        between."""
+        return None
 
     @property
     def pool(self) -> Any:
