@@ -317,13 +317,15 @@ def static_call(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``(args, kwargs)`` with every plain tensor (:func:`is_plain_tensor`) in containers
     replaced by ``make_static(t)``; other tensors, dataclasses and plain objects are passed as
-    themselves."""
+    themselves. The buffers are made in signature walk order (keywords sorted by name), but
+    the keywords keep the call's order: a step's ``**kwargs`` sees them in that order (a
+    capture of ``f(x, b=b, a=a)`` computed in ``a, b`` order, unlike eager)."""
 
     def static(t: torch.Tensor) -> Any:
         return make_static(t) if is_plain_tensor(t) else t
 
     call = _trees.map_tensors(_call(args, kwargs), static, into_objects=False)
-    return call[0], call[1]
+    return call[0], {name: call[1][name] for name in kwargs}
 
 
 def static_buffer(t: torch.Tensor, device: torch.device) -> torch.Tensor:
