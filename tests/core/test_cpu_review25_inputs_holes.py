@@ -33,3 +33,24 @@ def test_a_capture_passes_the_step_s_kwargs_in_the_call_s_order() -> None:
         kw: dict[str, Any] = {"b": b, "a": a}
         assert torch.equal(runner(x, **kw), _concat_kwargs(x, **kw)), i
     assert runner.stats.hits == 3
+
+
+def _quantized(scale: float, zero_point: int, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.quantize_per_tensor(torch.randn(4), scale, zero_point, torch.quint8)
+
+
+def _dequantized_twice(q: torch.Tensor) -> torch.Tensor:
+    return q.dequantize() * 2
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+def test_a_quantized_argument_of_another_scale_does_not_replay_the_capture_s_scale() -> None:
+    # A quantized tensor passed as a plain tensor: its scale and zero point are not in the
+    # key, and the static buffer keeps the capture's, so a call with scale 0.5 replayed with
+    # the capture's 0.3 (silently wrong values). It is an object of the signature now.
+    runner = BreakableGraphRunner(_dequantized_twice, device="cpu")
+    runner.capture(_quantized(0.3, 0, 100))
+    for i, (scale, zero) in enumerate([(0.5, 1), (0.05, 2), (0.3, 0)]):
+        q = _quantized(scale, zero, i)
+        assert torch.equal(runner(q), _dequantized_twice(q)), (scale, zero)
