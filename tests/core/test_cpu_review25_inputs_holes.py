@@ -9,7 +9,15 @@ from typing import Any
 import pytest
 import torch
 
-from bcg_core import BreakableGraphRunner
+from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    BreakableGraphRunner,
+    BreakOutputError,
+    eager_on_graph,
+    enable_breakable_cuda_graph,
+    is_in_breakable_cuda_graph,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -54,3 +62,25 @@ def test_a_quantized_argument_of_another_scale_does_not_replay_the_capture_s_sca
     for i, (scale, zero) in enumerate([(0.5, 1), (0.05, 2), (0.3, 0)]):
         q = _quantized(scale, zero, i)
         assert torch.equal(runner(q), _dequantized_twice(q)), (scale, zero)
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+def test_a_break_returning_a_quantized_tensor_is_refused_at_capture() -> None:
+    # A replay copied the break's new quantized values into the capture's quantized tensor,
+    # which kept the capture's scale and zero point: a break returning scale 0.5 at a replay
+    # was read with the capture's 0.1 (silently wrong). Refused at capture, by path.
+    scale = [0.1]
+
+    @eager_on_graph
+    def quantize(y: torch.Tensor) -> torch.Tensor:
+        return torch.quantize_per_tensor(y, scale[0], 0, torch.quint8)
+
+    x = torch.randn(4)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with (
+        pytest.raises(BreakOutputError, match=r"quantize' returned output \(a quantized"),
+        enable_breakable_cuda_graph(),
+        BreakableCUDAGraphCapture(graph),
+    ):
+        quantize(x * 2).dequantize() + 1
+    assert not is_in_breakable_cuda_graph()
