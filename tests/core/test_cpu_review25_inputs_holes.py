@@ -84,3 +84,21 @@ def test_a_break_returning_a_quantized_tensor_is_refused_at_capture() -> None:
     ):
         quantize(x * 2).dequantize() + 1
     assert not is_in_breakable_cuda_graph()
+
+
+def _scaled_back(x: torch.Tensor, s: Any) -> torch.Tensor:
+    return x * s * 1e-300
+
+
+def test_a_lifted_float_beyond_the_slot_s_range_runs_as_eager() -> None:
+    # A lifted float lives in a 0-dim tensor of the default dtype (float32): a capture given
+    # 1e300 computed with inf where eager gives 1.0, and a replay given 2e300 raised torch's
+    # raw "value cannot be converted to type float without overflow". Such a value stays a
+    # constant of the signature, as an int beyond int64 does.
+    runner = BreakableGraphRunner(_scaled_back, device="cpu", as_tensor=(1,))
+    x = torch.ones(2, dtype=torch.float64)
+    assert torch.equal(runner.capture(x, 1e300), _scaled_back(x, 1e300))
+    assert torch.equal(runner(x, 2e300), _scaled_back(x, 2e300))
+    runner.capture(x, 2.0)
+    assert torch.equal(runner(x, 3.0), _scaled_back(x, 3.0))
+    assert torch.equal(runner(x, float("inf")), _scaled_back(x, float("inf")))
