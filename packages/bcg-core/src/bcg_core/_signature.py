@@ -8,10 +8,10 @@ container types, dict keys, field and attribute names, lengths) plus one key per
 - a tensor in containers (lists, tuples, dicts, named tuples...): shape, dtype, device and the
   order of its dimensions by stride when not row-major (:func:`layout_key`); the runner
   copies it into a static buffer at every call. Only a dense strided tensor of torch's
-  own type (or a parameter) is copied (:func:`is_plain_tensor`): a sparse, nested or mkldnn
-  tensor, or a tensor subclass, is an object of the signature, keyed by identity and passed
-  as itself (a static buffer would be a plain dense tensor, and replaying a graph captured on
-  one would not run what eager runs);
+  own type (or a parameter) is copied (:func:`is_plain_tensor`): a sparse, nested, mkldnn
+  or quantized tensor, or a tensor subclass, is an object of the signature, keyed by
+  identity and passed as itself (a static buffer would be a plain dense tensor, and replaying
+  a graph captured on one would not run what eager runs);
 - a tensor inside a dataclass or plain object: shape, dtype, device **and storage address**.
   Objects (metadata, caches) are passed to the model as themselves, so the graph reads those
   tensors where they were at capture; a tensor rebound to another address gives another
@@ -63,12 +63,15 @@ def layout_key(t: torch.Tensor) -> tuple[int, ...] | None:
 
 def is_plain_tensor(t: torch.Tensor) -> bool:
     """Whether ``t`` can stand in a static buffer: a dense strided ``torch.Tensor`` or
-    parameter (not sparse, nested or mkldnn, not a subclass)."""
+    parameter (not sparse, nested, mkldnn or quantized, not a subclass). A quantized tensor's
+    scale and zero point are no part of its key, and a graph reads its buffer with the
+    capture's: one of another scale replayed with the capture's scale, silently wrong."""
     cls = type(t)
     return (
         (cls is torch.Tensor or cls is torch.nn.Parameter)
         and t.layout is _STRIDED
         and not t.is_nested
+        and not t.is_quantized
     )
 
 
@@ -172,7 +175,7 @@ def _flat_signature(
     for leaf in (*args, *(kwargs[n] for n in names)) if names else args:
         cls = type(leaf)
         if cls is torch.Tensor:
-            if leaf.layout is not _STRIDED or leaf.is_nested:
+            if leaf.layout is not _STRIDED or leaf.is_nested or leaf.is_quantized:
                 return None  # an object of the signature (see is_plain_tensor)
             keys.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, layout_key(leaf)))
             live.append(leaf)
@@ -208,7 +211,7 @@ class FlatGuard:
         others: list[tuple[int, type, Any]] = []
         for i, leaf in enumerate((*args, *(kwargs[n] for n in self._names))):
             cls = type(leaf)
-            if cls is torch.Tensor and leaf.layout is _STRIDED and not leaf.is_nested:
+            if cls is torch.Tensor and is_plain_tensor(leaf):
                 tensors.append((i, leaf.shape, leaf.dtype, leaf.device, layout_key(leaf)))
             elif cls is ScalarInput or cls in _trees.SCALARS:
                 others.append((i, cls, leaf))
@@ -305,6 +308,8 @@ def _object_kind(leaf: Any) -> str:
         return f"{name} (nested)"
     if leaf.layout is not _STRIDED:
         return f"{name} ({str(leaf.layout).removeprefix('torch.')})"
+    if leaf.is_quantized:
+        return f"{name} (quantized)"
     return f"{name} (a tensor subclass)"
 
 
@@ -317,13 +322,15 @@ def static_call(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``(args, kwargs)`` with every plain tensor (:func:`is_plain_tensor`) in containers
     replaced by ``make_static(t)``; other tensors, dataclasses and plain objects are passed as
-    themselves."""
+    themselves. The buffers are made in signature walk order (keywords sorted by name), but
+    the keywords keep the call's order: a step's ``**kwargs`` sees them in that order (a
+    capture of ``f(x, b=b, a=a)`` computed in ``a, b`` order, unlike eager)."""
 
     def static(t: torch.Tensor) -> Any:
         return make_static(t) if is_plain_tensor(t) else t
 
     call = _trees.map_tensors(_call(args, kwargs), static, into_objects=False)
-    return call[0], call[1]
+    return call[0], {name: call[1][name] for name in kwargs}
 
 
 def static_buffer(t: torch.Tensor, device: torch.device) -> torch.Tensor:

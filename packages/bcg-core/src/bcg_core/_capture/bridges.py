@@ -171,10 +171,20 @@ class Bridge:
 
     def _refuse_unbridgeable(self, leaves: list[Any], spec: _trees.TreeSpec) -> None:
         """A sparse or nested tensor has no fixed memory that a replay could copy its new
-        values into (its number of elements, its indices, its parts may change): refused by
+        values into (its number of elements, its indices, its parts may change), and a
+        quantized tensor's scale is not in its memory: refused by
         path (reading its address raised torch's raw internal error), at capture and at
         replay (``leaves`` and ``spec`` of the output then)."""
         for path, x in zip(_trees.key_paths(spec, "output"), leaves, strict=True):
+            if isinstance(x, torch.Tensor) and x.is_quantized:
+                # Its scale and zero point are no part of the memory a replay copies into: a
+                # replay returning another scale was read with the capture's, silently wrong.
+                raise BreakOutputError(
+                    f"break {self._name!r} returned {path} (a quantized tensor); a replay "
+                    "copies a break's new values into the capture's tensor, whose scale and "
+                    "zero point would stay the capture's. Return x.dequantize(), or "
+                    "x.int_repr() with its scale and zero point as tensors."
+                )
             if isinstance(x, torch.Tensor) and not has_memory_layout(x):
                 kind = "nested" if x.is_nested else f"{x.layout} (sparse)".replace("torch.", "")
                 raise BreakOutputError(

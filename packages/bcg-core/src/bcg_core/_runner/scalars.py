@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,13 +31,26 @@ def _number_kind(value: Any) -> type | None:
     """``bool``, ``int`` or ``float`` for a Python number (enums excluded: they pick code
     paths), else None. An int beyond int64 is None too: it does not fit the slot (writing it
     raised at a replay, and making one failed a capture and blocked every int), so it stays a
-    constant of the signature and its calls run as eager would."""
+    constant of the signature and its calls run as eager would. So is a finite float beyond
+    the default float dtype's range (the slot's dtype): a capture given 1e300 computed with
+    inf where eager gave finite values, and a replay given one raised torch's overflow
+    error."""
     if isinstance(value, enum.Enum):
         return None
     for kind in (bool, int, float):
         if isinstance(value, kind):
+            if kind is float:
+                # (float16's largest value first: the usual value pays one comparison)
+                if -65504.0 <= value <= 65504.0 or not math.isfinite(value):
+                    return kind
+                return None if abs(value) > _float_max() else kind
             return None if kind is int and value not in _INT64 else kind
     return None
+
+
+def _float_max() -> float:
+    """The largest finite value of the default float dtype, the dtype of a float's slot."""
+    return torch.finfo(torch.get_default_dtype()).max
 
 
 def parameters(fn: Callable[..., Any]) -> list[inspect.Parameter] | None:
