@@ -133,3 +133,46 @@ def test_an_object_attribute_the_step_rebinds_is_seen_as_eager() -> None:
         s.x.fill_(float(i))
         assert torch.equal(runner(s), s.x + 1)
         assert torch.equal(s.out, s.x * 2)
+
+
+def _bump(x: torch.Tensor) -> torch.Tensor:
+    x.add_(1)
+    return x * 2
+
+
+def _eager_outcome(step: Callable[..., Any], x: torch.Tensor) -> tuple[str, torch.Tensor]:
+    try:
+        step(x)
+    except RuntimeError as e:
+        return str(e), x.detach().clone()
+    return "", x.detach().clone()
+
+
+def test_a_written_leaf_that_requires_grad_raises_as_eager() -> None:
+    # Eager raises (a leaf Variable that requires grad is being used in an in-place
+    # operation); the runner wrote the static buffer, which requires no grad, and copied it back
+    # under no_grad: silently written, at capture and at every replay.
+    runner = BreakableGraphRunner(_bump, device="cpu")
+    runner.capture(torch.zeros(2))  # captured on a tensor not requiring grad: replays
+    for i in range(3):
+        x = torch.full((2,), float(i), requires_grad=True)
+        want_error, want = _eager_outcome(_bump, torch.full((2,), float(i), requires_grad=True))
+        assert "in-place" in want_error
+        with pytest.raises(RuntimeError, match="in-place"):
+            runner(x)
+        assert torch.equal(x.detach(), want), i
+    # Without grad mode eager writes it, and so does a replay.
+    with torch.no_grad():
+        x = torch.full((2,), 5.0, requires_grad=True)
+        assert torch.equal(runner(x), torch.full((2,), 12.0))
+        assert torch.equal(x, torch.full((2,), 6.0))
+    assert runner.stats.hits == 1
+
+
+def test_a_written_leaf_that_requires_grad_at_capture_raises_as_eager() -> None:
+    runner = BreakableGraphRunner(_bump, device="cpu")
+    x = torch.zeros(2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="in-place"):
+        runner.capture(x)
+    assert torch.equal(x.detach(), torch.zeros(2))
+    assert runner.stats.captures == 0

@@ -148,6 +148,13 @@ class Entry:
                 return mine
         return None
 
+    def writes_grad(self, live: list[torch.Tensor]) -> bool:
+        """Whether an argument the graph writes requires grad. Called in grad mode only: eager
+        then raises for a leaf (an in-place write of a leaf that requires grad) and records the
+        write for any other, while a replay writes its buffer, which requires no grad, and
+        copies it back under ``no_grad``: such a call runs eagerly."""
+        return any(live[i].requires_grad for i in self.written)
+
     def watched_versions(self) -> list[int]:
         """The version counters of the :attr:`watched` tensors, taken before a replay."""
         return [t._version for t, _ in self.watched]

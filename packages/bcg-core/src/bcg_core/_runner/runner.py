@@ -348,6 +348,8 @@ class BreakableGraphRunner:
                     return self._other_keyword_order((args, kwargs))
                 if entry.written and (pair := entry.overlap.find(live)) is not None:
                     return self._refuse(sig, live, pair, (args, kwargs))
+                if entry.written and torch.is_grad_enabled() and entry.writes_grad(live):
+                    return self._grad_written((args, kwargs))
                 if (
                     torch._C._is_any_autocast_enabled() or entry.autocast is not None
                 ) and autocast_state() != entry.autocast:
@@ -797,6 +799,9 @@ class BreakableGraphRunner:
             # caller's tensors are untouched (nothing was copied back), so eager runs cleanly.
             graph.reset()
             return self._refuse(sig, live, pair, call)
+        if torch.is_grad_enabled() and entry.writes_grad(live):
+            graph.reset()  # its runs wrote static buffers only: eager runs cleanly
+            return self._grad_written(call)
         if self.max_segments is not None and graph.num_segments > self.max_segments:
             self.disabled_reason = (
                 f"a capture produced {graph.num_segments} graph segments, more than "
@@ -906,6 +911,22 @@ class BreakableGraphRunner:
         return self._eager_miss(
             "an argument the graph writes shares memory with another argument or object",
             call,
+        )
+
+    def _grad_written(self, call: Call) -> Any:
+        """Run eagerly, in grad mode, a call whose argument that the graph writes in place
+        requires grad: eager raises for a leaf and records the write for another tensor,
+        where a replay would write it silently without history (a miss, said once)."""
+        self._misses.refused(
+            "written argument requires grad",
+            "an argument that the captured step writes in place requires grad and grad mode is "
+            "on: eager raises for a leaf (or records the write), a replay would write it "
+            "silently, so such calls run eagerly; call under torch.no_grad() or "
+            "torch.inference_mode(), or pass a tensor that does not require grad (detach it), "
+            "to replay the graph",
+        )
+        return self._eager_miss(
+            "an argument the graph writes in place requires grad (grad mode is on)", call
         )
 
     def _inside_capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
