@@ -176,3 +176,33 @@ def test_a_written_leaf_that_requires_grad_at_capture_raises_as_eager() -> None:
         runner.capture(x)
     assert torch.equal(x.detach(), torch.zeros(2))
     assert runner.stats.captures == 0
+
+
+def _advance(pos: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return pos.add_(1), h * 2  # add_ returns pos itself, as eager gives it back
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_a_returned_argument_is_the_caller_s_tensor(views: bool) -> None:
+    # Eager returns the argument itself; a replay returned a clone of its static buffer (or,
+    # with return_views, the buffer), so a write through the result missed the caller's tensor.
+    runner = BreakableGraphRunner(_advance, device="cpu", return_views=views)
+    pos = torch.zeros(1)
+    assert runner.capture(pos, torch.zeros(2))[0] is pos  # (the capture ran the step 3 times)
+    for i in range(1, 4):
+        pos, h = torch.full((1,), float(i)), torch.full((2,), float(i))
+        got_pos, got_h = runner(pos, h)
+        assert got_pos is pos, i
+        assert torch.equal(pos, torch.full((1,), i + 1.0))
+        assert torch.equal(got_h, h * 2)
+        got_pos.zero_()  # reaches the caller's tensor, as eager
+        assert torch.equal(pos, torch.zeros(1))
+    assert runner.stats.hits == 3
+    plain = BreakableGraphRunner(_identity, device="cpu", return_views=views)
+    for i in range(3):
+        x = torch.full((2,), float(i))
+        assert (plain.capture(x) if i == 0 else plain(x)) is x

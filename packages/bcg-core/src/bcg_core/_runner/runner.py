@@ -86,7 +86,9 @@ class BreakableGraphRunner:
     **Serving.** A known signature is replayed: the call's inputs are written into the static
     buffers (one batched copy), the graph replays under the runtime flag (and inside
     ``replay_context()`` if given), and a clone of the output is returned (``return_views=True``
-    returns the static output itself, valid until the next replay). Device order: a call's
+    returns the static output itself, valid until the next replay); an argument the step
+    returns itself is returned as the caller's tensor, as eager does (a view of one is
+    cloned). Device order: a call's
     input copies wait on an event recorded after the previous use of the pool, on whatever
     stream that ran, and the clone is taken on the replay stream before the next event. An
     unknown signature runs eagerly and never captures; the first :data:`MISS_LOG_LIMIT`
@@ -823,7 +825,12 @@ class BreakableGraphRunner:
         # output holds this call's result: no replay is needed.
         entry.store(live)
         # (A clone capture_many discards would stay cached outside the pool.)
-        result = entry.output if self.return_views or self._discard_outputs else entry.clone()
+        if self._discard_outputs:
+            result = entry.output
+        elif entry.returned:
+            result = entry.output_for(live, self.return_views)
+        else:
+            result = entry.output if self.return_views else entry.clone()
         self._turn.record(current)
         return result
 
@@ -1070,7 +1077,10 @@ class BreakableGraphRunner:
                         entry.store(live, versions)
                 raise
             entry.store(live, versions)
-            out = entry.output if self.return_views else entry.clone()
+            if entry.returned:
+                out = entry.output_for(live, self.return_views)
+            else:
+                out = entry.output if self.return_views else entry.clone()
         finally:
             self._turn.busy = None
             flag_reset(token)
