@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from bcg_core import BreakableGraphRunner
+from bcg_core import BreakableGraphRunner, eager_on_graph
 
 
 @pytest.fixture(autouse=True)
@@ -206,3 +206,23 @@ def test_a_returned_argument_is_the_caller_s_tensor(views: bool) -> None:
     for i in range(3):
         x = torch.full((2,), float(i))
         assert (plain.capture(x) if i == 0 else plain(x)) is x
+
+
+@eager_on_graph
+def _store_double(state: dict[str, torch.Tensor]) -> None:
+    state["out"] = state["x"] * 2
+
+
+def _step_with_storing_break(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    _store_double(state)
+    return state["x"] + 1
+
+
+def test_a_break_that_changes_the_step_s_container_runs_eagerly() -> None:
+    runner = BreakableGraphRunner(_step_with_storing_break, device="cpu")
+    for i in range(3):
+        mine, theirs = _dict_call(i), _dict_call(i)
+        got = runner.capture(*mine) if i == 0 else runner(*mine)
+        assert torch.equal(got, _step_with_storing_break(*theirs))
+        assert _same(mine, theirs), i
+    assert runner.stats.hits == 0

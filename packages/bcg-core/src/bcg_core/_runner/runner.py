@@ -111,7 +111,10 @@ class BreakableGraphRunner:
     no version counter (through ``.data``) are not seen. Tensors inside objects are used in
     place (keyed by address), never copied. A call where an argument the graph writes shares
     memory with another argument runs eagerly (a miss, warned once): separate buffers would not
-    see the write through the other.
+    see the write through the other; so does, in grad mode, one where such an argument requires
+    grad (eager raises for a leaf). A step that changes a container it is given
+    (``state["out"] = y``, ``items.append(t)``) gets copies, and a replay runs no Python: its
+    capture fails and its signature runs eagerly (return the value instead).
 
     **Inference.** Outputs of a replay (and of a capture) carry no autograd history; a graph
     replays in the inference mode it was captured in, and its output is cloned in the
