@@ -64,7 +64,8 @@ class CaptureError(BreakableGraphError):
     tensor alive under ``debug="strict"``; when the CPU backend meets a host sync
     (:class:`HostSyncError`); when a :func:`breakable_attention` implementation meets a
     sliding-window layer it cannot capture (not a ``StaticCache``'s, a step of several tokens,
-    a compiled step); and by :func:`check_divergence` called inside a capture. The
+    a compiled step); when a runner's step changes a container argument (its signature then
+    runs eagerly); and by :func:`check_divergence` called inside a capture. The
     message says what to do: run eagerly, capture again after ``reset()``, or move the call
     into an :func:`eager_on_graph` break.
     """

@@ -563,3 +563,86 @@ def same_up_to_key_order(got: TreeSpec, want: TreeSpec) -> bool:
         k in mine and same_up_to_key_order(mine[k], w)
         for k, w in zip(want[1], want[2], strict=True)
     )
+
+
+# A container of a call as a step received it: its path, the container, its context (keys)
+# and its children, for ``changed_container``.
+Snapshot = list[tuple[str, Any, Hashable, list[Any]]]
+
+
+def copy_containers(obj: Any) -> Any:
+    """``obj`` with every pytree container (outside dataclasses and plain objects) rebuilt,
+    the leaves and objects as they are: a step that changes a container of the copy leaves the
+    caller's alone."""
+    return _copy_containers(obj, set())
+
+
+def _copy_containers(obj: Any, active: set[int]) -> Any:
+    if isinstance(obj, torch.Tensor) or type(obj) in SCALARS:
+        return obj
+    if _kind(obj) != _PYTREE or id(obj) in active:
+        return obj
+    children, context = _children(obj, _PYTREE)
+    active.add(id(obj))
+    copied = [_copy_containers(c, active) for c in children]
+    active.discard(id(obj))
+    return _rebuild(obj, _PYTREE, context, copied)
+
+
+def container_snapshot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Snapshot:
+    """The containers (outside dataclasses and plain objects) of a call's arguments, with
+    their paths (``args[0]``, ``kwargs['state']['k']``), keys and children."""
+    out: Snapshot = []
+    for i, arg in enumerate(args):
+        _snapshot(arg, f"args[{i}]", out, set())
+    for name, arg in kwargs.items():
+        _snapshot(arg, f"kwargs[{name!r}]", out, set())
+    return out
+
+
+def _snapshot(node: Any, path: str, out: Snapshot, active: set[int]) -> None:
+    if isinstance(node, torch.Tensor) or type(node) in SCALARS:
+        return
+    if _kind(node) != _PYTREE or id(node) in active:
+        return
+    children, context = _children(node, _PYTREE)
+    out.append((path, node, _context_key(context), children))
+    keyed = isinstance(node, dict) and len(context) == len(children)
+    active.add(id(node))
+    for i, child in enumerate(children):
+        _snapshot(child, f"{path}[{context[i]!r}]" if keyed else f"{path}[{i}]", out, active)
+    active.discard(id(node))
+
+
+def changed_container(snapshot: Snapshot) -> str | None:
+    """The first container of ``snapshot`` that no longer holds the same keys and the same
+    children (by identity) as its path and what changed (``args[0] (a dict): key 'out'
+    added``); None when none changed."""
+    for path, node, context, children in snapshot:
+        now, now_context = _children(node, _PYTREE)
+        if _context_key(now_context) == context and len(now) == len(children):
+            replaced = [
+                i
+                for i, (a, b) in enumerate(zip(now, children, strict=True))
+                if not _same_leaf(a, b)
+            ]
+            if not replaced:
+                continue
+            where = now_context[replaced[0]] if isinstance(node, dict) else replaced[0]
+            change = f"item [{where!r}] replaced"
+        elif isinstance(node, dict):
+            keys = context if isinstance(context, tuple) else ()  # a dict's context: its keys
+            added = [k for k in node if k not in keys]
+            gone = [k for k in keys if k not in node]
+            change = ", ".join(
+                [*(f"key {k!r} added" for k in added), *(f"key {k!r} removed" for k in gone)]
+            )
+        else:
+            change = f"length {len(children)} -> {len(now)}"
+        return f"{path} (a {type(node).__qualname__}): {change or 'keys reordered'}"
+    return None
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    # An equal number or string set again is no change (``d["n"] = 1`` where it was 1).
+    return a is b or (type(a) in SCALARS and type(a) is type(b) and a == b)

@@ -16,6 +16,7 @@ from bcg_core._capture.capture import BreakableCUDAGraphCapture
 from bcg_core._capture.flag import enable_breakable_cuda_graph
 from bcg_core._capture.graph import BreakableCUDAGraph
 from bcg_core._capture.modes import autocast_state
+from bcg_core._errors import CaptureError
 from bcg_core._runner.calls import Call
 from bcg_core._runner.entry import Entry
 from bcg_core._runner.overlap import OverlapCheck
@@ -79,6 +80,10 @@ def capture_entry(
         static_args, static_kwargs, slots = scalars.place(
             static_args, static_kwargs, values, device
         )
+    # Containers of their own (those without a tensor were the caller's): a step changing one
+    # is refused below, and its warm-ups must not have changed the caller's.
+    static_args, static_kwargs = _trees.copy_containers((static_args, static_kwargs))
+    containers = _trees.container_snapshot(static_args, static_kwargs)
     graph = BreakableCUDAGraph(pool=pool, backend=backend.name)
     # Static buffers and scalar slots are device memory the graph re-reads at every replay.
     backend.note_graph_memory(pool, [*statics, *slots])
@@ -89,6 +94,7 @@ def capture_entry(
             turn.wait(lane)
             for _ in range(warmups):
                 module(*static_args, **static_kwargs)
+                _refuse_changed_containers(containers)
         backend.synchronize((lane,))  # start-up only: the capture's own time is reported
         versions = [t._version for t in statics]
         captured = time.perf_counter()
@@ -97,6 +103,7 @@ def capture_entry(
             BreakableCUDAGraphCapture(graph, capture_error_mode=capture_error_mode),
         ):
             output = module(*static_args, **static_kwargs)
+        _refuse_changed_containers(containers)
         output = _without_history(output)
         backend.synchronize((lane,))
         done = time.perf_counter()
@@ -148,6 +155,26 @@ def capture_entry(
         watched=watched,
         objects=call_objects(*lifted),
     )
+
+
+def _refuse_changed_containers(containers: _trees.Snapshot) -> None:
+    """Raise when the step changed a container it was given (``state["out"] = y``,
+    ``items.append(t)``). It received copies (their tensors are static buffers), so the change
+    would reach the caller neither at capture nor at replay (a replay runs no Python): the
+    signature runs eagerly, where the step changes the caller's own container.
+
+    Raises:
+        CaptureError: naming the container and what changed.
+    """
+    changed = _trees.changed_container(containers)
+    if changed is not None:
+        raise CaptureError(
+            f"the step changed a container argument it was given, {changed}; a graph passes "
+            "the step copies of its container arguments and a replay runs no Python, so the "
+            "change would never reach the caller's container: such calls run eagerly. Return "
+            "the value instead of storing it in an argument (or keep it on a dataclass or "
+            "object argument, passed as itself) to capture the call"
+        )
 
 
 def _without_history(output: Any) -> Any:

@@ -67,6 +67,8 @@ class Entry:
     ``overlap`` tells the calls whose written argument shares memory with another (they run
     eagerly). ``objects``: the dataclasses and plain objects of the capture's call (the graph
     and its breaks read them, not the ones a later call passes; see :meth:`stale_object`).
+    ``returned``: the output tensors that are static buffers (the step returned an argument),
+    by id, with the argument's index; the caller's tensor is returned there.
     ``output`` never requires grad (detached at capture): a replay serves
     inference, and autograd history from the capture would point at overwritten memory.
     """
@@ -99,6 +101,7 @@ class Entry:
     _few_copies: bool = field(init=False)
     _dst_ptrs: tuple[int, ...] = field(init=False)
     clone: Callable[[], Any] = field(init=False)
+    returned: dict[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
         self._copy = tuple(i for i in range(len(self.statics)) if i not in self.fill)
@@ -108,6 +111,11 @@ class Entry:
         self._few_copies = self._only_copies and len(self.statics) <= FEW_COPIES
         self._dst_ptrs = tuple(t.data_ptr() for t in self.statics)
         self.clone = _cloner(self.output, self.passed)
+        # Output tensors that are static buffers (the step returned its argument, `x.add_(1)`
+        # returns x): by id, the argument's index; a call returns the caller's tensor there.
+        ids = {id(t): i for i, t in enumerate(self.statics)}
+        leaves = _trees.tensor_leaves(self.output)
+        self.returned = {id(t): ids[id(t)] for t in leaves if id(t) in ids}
 
     def load(self, live: list[torch.Tensor], values: list[bool | int | float]) -> None:
         """Write one call's inputs into the static buffers."""
@@ -147,6 +155,28 @@ class Entry:
             ):
                 return mine
         return None
+
+    def output_for(self, live: list[torch.Tensor], views: bool) -> Any:
+        """The output of a call that passed ``live``, for an entry whose step returns an argument
+        (:attr:`returned`): the caller's tensor where the step returned it, as eager gives it
+        back (a clone of its buffer missed writes through the result); the other tensors cloned,
+        or the static ones with ``views``."""
+        returned = self.returned
+
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            i = returned.get(id(t))
+            if i is not None:
+                return live[i]
+            return t if views else t.clone()
+
+        return _trees.map_tensors(self.output, leaf, keep=self.passed)
+
+    def writes_grad(self, live: list[torch.Tensor]) -> bool:
+        """Whether an argument the graph writes requires grad. Called in grad mode only: eager
+        then raises for a leaf (an in-place write of a leaf that requires grad) and records the
+        write for any other, while a replay writes its buffer, which requires no grad, and
+        copies it back under ``no_grad``: such a call runs eagerly."""
+        return any(live[i].requires_grad for i in self.written)
 
     def watched_versions(self) -> list[int]:
         """The version counters of the :attr:`watched` tensors, taken before a replay."""

@@ -86,7 +86,9 @@ class BreakableGraphRunner:
     **Serving.** A known signature is replayed: the call's inputs are written into the static
     buffers (one batched copy), the graph replays under the runtime flag (and inside
     ``replay_context()`` if given), and a clone of the output is returned (``return_views=True``
-    returns the static output itself, valid until the next replay). Device order: a call's
+    returns the static output itself, valid until the next replay); an argument the step
+    returns itself is returned as the caller's tensor, as eager does (a view of one is
+    cloned). Device order: a call's
     input copies wait on an event recorded after the previous use of the pool, on whatever
     stream that ran, and the clone is taken on the replay stream before the next event. An
     unknown signature runs eagerly and never captures; the first :data:`MISS_LOG_LIMIT`
@@ -109,7 +111,10 @@ class BreakableGraphRunner:
     no version counter (through ``.data``) are not seen. Tensors inside objects are used in
     place (keyed by address), never copied. A call where an argument the graph writes shares
     memory with another argument runs eagerly (a miss, warned once): separate buffers would not
-    see the write through the other.
+    see the write through the other; so does, in grad mode, one where such an argument requires
+    grad (eager raises for a leaf). A step that changes a container it is given
+    (``state["out"] = y``, ``items.append(t)``) gets copies, and a replay runs no Python: its
+    capture fails and its signature runs eagerly (return the value instead).
 
     **Inference.** Outputs of a replay (and of a capture) carry no autograd history; a graph
     replays in the inference mode it was captured in, and its output is cloned in the
@@ -348,6 +353,8 @@ class BreakableGraphRunner:
                     return self._other_keyword_order((args, kwargs))
                 if entry.written and (pair := entry.overlap.find(live)) is not None:
                     return self._refuse(sig, live, pair, (args, kwargs))
+                if entry.written and torch.is_grad_enabled() and entry.writes_grad(live):
+                    return self._grad_written((args, kwargs))
                 if (
                     torch._C._is_any_autocast_enabled() or entry.autocast is not None
                 ) and autocast_state() != entry.autocast:
@@ -797,6 +804,9 @@ class BreakableGraphRunner:
             # caller's tensors are untouched (nothing was copied back), so eager runs cleanly.
             graph.reset()
             return self._refuse(sig, live, pair, call)
+        if torch.is_grad_enabled() and entry.writes_grad(live):
+            graph.reset()  # its runs wrote static buffers only: eager runs cleanly
+            return self._grad_written(call)
         if self.max_segments is not None and graph.num_segments > self.max_segments:
             self.disabled_reason = (
                 f"a capture produced {graph.num_segments} graph segments, more than "
@@ -818,7 +828,12 @@ class BreakableGraphRunner:
         # output holds this call's result: no replay is needed.
         entry.store(live)
         # (A clone capture_many discards would stay cached outside the pool.)
-        result = entry.output if self.return_views or self._discard_outputs else entry.clone()
+        if self._discard_outputs:
+            result = entry.output
+        elif entry.returned:
+            result = entry.output_for(live, self.return_views)
+        else:
+            result = entry.output if self.return_views else entry.clone()
         self._turn.record(current)
         return result
 
@@ -906,6 +921,22 @@ class BreakableGraphRunner:
         return self._eager_miss(
             "an argument the graph writes shares memory with another argument or object",
             call,
+        )
+
+    def _grad_written(self, call: Call) -> Any:
+        """Run eagerly, in grad mode, a call whose argument that the graph writes in place
+        requires grad: eager raises for a leaf and records the write for another tensor,
+        where a replay would write it silently without history (a miss, said once)."""
+        self._misses.refused(
+            "written argument requires grad",
+            "an argument that the captured step writes in place requires grad and grad mode is "
+            "on: eager raises for a leaf (or records the write), a replay would write it "
+            "silently, so such calls run eagerly; call under torch.no_grad() or "
+            "torch.inference_mode(), or pass a tensor that does not require grad (detach it), "
+            "to replay the graph",
+        )
+        return self._eager_miss(
+            "an argument the graph writes in place requires grad (grad mode is on)", call
         )
 
     def _inside_capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -1049,7 +1080,10 @@ class BreakableGraphRunner:
                         entry.store(live, versions)
                 raise
             entry.store(live, versions)
-            out = entry.output if self.return_views else entry.clone()
+            if entry.returned:
+                out = entry.output_for(live, self.return_views)
+            else:
+                out = entry.output if self.return_views else entry.clone()
         finally:
             self._turn.busy = None
             flag_reset(token)
