@@ -25,7 +25,9 @@ flag is on, so eager calls are unchanged.
 from __future__ import annotations
 
 import sys
+import threading
 import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -90,7 +92,9 @@ def make_attention_ops_breakable(model: torch.nn.Module) -> PatchHandle:
     that of a processor that is an ``nn.Module`` (IP-Adapter, Custom Diffusion), whose state
     (the IP-Adapter ``scale``) is then read at every replay.
     Each patched name holds one more reference per call, so several runners can share a model
-    class. Not covered: code calling ``torch.nn.functional.scaled_dot_product_attention`` by its
+    class. A :class:`DiTRunner` owning the handle scans the model again at each capture and
+    patches processors set since (``set_attn_processor``, an IP-Adapter loaded).
+    Not covered: code calling ``torch.nn.functional.scaled_dot_product_attention`` by its
     full path, and attention that is no sdpa (Sana's linear self-attention, which is all matmuls
     and stays in the graph).
 
@@ -114,6 +118,46 @@ def make_attention_ops_breakable(model: torch.nn.Module) -> PatchHandle:
             "make_attention_ops_breakable takes the diffusers transformer, an nn.Module, got "
             f"a {type(given).__name__}; pass {inner} (e.g. pipe.transformer)"
         )
+    patches = _attention_patches(model)
+    if not patches:
+        raise ValueError(
+            f"found no attention op in {type(model).__name__}: none of its modules calls "
+            f"{_DISPATCH} or F.{_SDPA}; make its attention class a break with "
+            "install_breakable_attention(cls) instead"
+        )
+    handle = PatchHandle.patch_all(patches)
+    with _made_lock:
+        _made[handle] = (weakref.ref(model), {(t, n) for t, n, _ in patches})
+    return handle
+
+
+def patch_new_attention(handle: PatchHandle) -> PatchHandle | None:
+    """Patch what the model of ``handle`` (a :func:`make_attention_ops_breakable` handle) needs
+    now and the handle does not hold: processors set after it was made (``set_attn_processor``,
+    an IP-Adapter loaded). Their code was not scanned, so an IP-Adapter ``scale`` was a constant
+    of the graph. Returns a handle on the new patches (the caller releases it), or None."""
+    with _made_lock:
+        made = _made.get(handle)
+        model = None if made is None else made[0]()
+        if made is None or model is None:
+            return None
+        missing = [p for p in _attention_patches(model) if (p[0], p[1]) not in made[1]]
+        if not missing:
+            return None
+        extra = PatchHandle.patch_all(missing)
+        made[1].update((t, n) for t, n, _ in missing)  # asked again, they are held already
+        return extra
+
+
+# Each handle's model (weakly) and the (target, name) pairs it and patch_new_attention patched.
+_made_lock = threading.Lock()
+_made: weakref.WeakKeyDictionary[
+    PatchHandle, tuple[weakref.ref[torch.nn.Module], set[tuple[Any, str]]]
+] = weakref.WeakKeyDictionary()
+
+
+def _attention_patches(model: torch.nn.Module) -> list[tuple[Any, str, Any]]:
+    """The ``(target, name, wrap)`` patches that make every attention op of ``model`` a break."""
     patches: list[tuple[Any, str, Any]] = [
         (cls, "__call__", make_breakable_attention_forward)
         for cls in _host_reading_processors(model)
@@ -126,13 +170,7 @@ def make_attention_ops_breakable(model: torch.nn.Module) -> PatchHandle:
         for name, value in list(vars(module).items()):
             if value is torch.nn.functional or _is_breakable_functional(value):
                 patches.append((module, name, breakable_functional))
-    if not patches:
-        raise ValueError(
-            f"found no attention op in {type(model).__name__}: none of its modules calls "
-            f"{_DISPATCH} or F.{_SDPA}; make its attention class a break with "
-            "install_breakable_attention(cls) instead"
-        )
-    return PatchHandle.patch_all(patches)
+    return patches
 
 
 # Names whose call waits for the device (a value read on the host, or an output shape that

@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree  # noqa: PLC2701  (the one walker: torch's 
 
 from bcg_core import BreakableGraphRunner, DivergenceReport, PatchHandle
 from bcg_diffusion._attention import patch_attention_classes
+from bcg_diffusion._diffusers import patch_new_attention
 from bcg_diffusion._tokens import ReplayTokenScope
 
 logger = logging.getLogger("bcg_diffusion")
@@ -123,6 +124,7 @@ class DiTRunner(BreakableGraphRunner):
         if breakable_attention is not None:
             patches.append(breakable_attention)
         self._patches: list[PatchHandle] = patches
+        self._breakable_attention = breakable_attention
         self._closed = False
         self._return_dict_default = _return_dict_default(model)
         # Whether the model's return_dict=False form is a tuple (diffusers' convention, which
@@ -280,8 +282,25 @@ class DiTRunner(BreakableGraphRunner):
                 "replay. Load the model without them (weights in the compute dtype, on the "
                 "device) to capture it, or run it without DiTRunner"
             )
+        self._patch_new_attention()
         with super().warmup() as runner:
             yield runner
+
+    def _patch_new_attention(self) -> None:
+        """Before a capture: patch attention the model gained since its
+        ``breakable_attention`` handle was made (``set_attn_processor``, an IP-Adapter loaded
+        after ``make_attention_ops_breakable``), held until :meth:`close`. Unpatched, such a
+        processor was captured whole: an IP-Adapter ``scale`` changed later replayed stale."""
+        if self._breakable_attention is None:
+            return
+        extra = patch_new_attention(self._breakable_attention)
+        if extra is None:
+            return
+        with _owned_lock:  # close() takes the list under this lock: nothing is added after
+            if not self._closed:  # a closed runner captures nothing: it keeps no new patch
+                self._patches.append(extra)
+                return
+        extra.remove()
 
     def close(self) -> None:
         """Drop all graphs and release this runner's attention patches (idempotent).
@@ -304,7 +323,8 @@ class DiTRunner(BreakableGraphRunner):
             if hasattr(exc, "add_note"):  # Python >= 3.11
                 exc.add_note("bcg: raised by DiTRunner.close(), which resets the runner first")
             raise
-        patches, self._patches = self._patches, []
+        with _owned_lock:
+            patches, self._patches = self._patches, []
         for patch in patches:
             patch.remove()
         with _owned_lock:

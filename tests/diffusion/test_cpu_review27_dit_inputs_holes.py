@@ -1,0 +1,84 @@
+"""A diffusion runtime's inputs through DiTRunner on the CPU graph backend (review 27): holes
+found driving tiny diffusers models as a serving runtime does, each replay compared with eager."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from bcg_diffusion import DiTRunner, make_attention_ops_breakable
+
+diffusers = pytest.importorskip(
+    "diffusers", reason='diffusers is not installed (pip install "bcg-diffusion[diffusers]")'
+)
+
+
+def _flux() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model: torch.nn.Module = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    ).eval()  # fmt: skip
+    return model
+
+
+def _flux_inputs(seed: int, **extra: Any) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(1, 16, 4, generator=gen),
+        "encoder_hidden_states": torch.randn(1, 8, 32, generator=gen),
+        "pooled_projections": torch.randn(1, 32, generator=gen),
+        "timestep": torch.rand(1, generator=gen),
+        "img_ids": torch.randn(16, 3, generator=gen),
+        "txt_ids": torch.zeros(8, 3),
+        **extra,
+    }
+
+
+def _set_ip_adapter(model: torch.nn.Module) -> list[Any]:
+    """Flux IP-Adapter processors on the dual blocks (what load_ip_adapter sets)."""
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
+
+    procs: dict[str, Any] = {}
+    made: list[Any] = []
+    for name, proc in model.attn_processors.items():
+        if name.startswith("transformer_blocks"):
+            proc = FluxIPAdapterAttnProcessor(
+                hidden_size=32, cross_attention_dim=32, num_tokens=(2,)
+            )
+            made.append(proc)
+        procs[name] = proc
+    model.set_attn_processor(procs)
+    return made
+
+
+def test_processors_set_after_the_handle_was_made_are_patched_at_capture() -> None:
+    """An IP-Adapter set on the model after make_attention_ops_breakable(model), before the
+    capture: its processor's __call__ was not patched (the handle scanned the processors it was
+    made with), so the scale that set_ip_adapter_scale writes was a constant of the graph and a
+    new scale replayed the capture's (silently not eager). The runner now patches, at capture,
+    processors the model gained since, and releases them on close()."""
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
+
+    model = _flux()
+    handle = make_attention_ops_breakable(model)
+    processors = _set_ip_adapter(model)
+    original = vars(FluxIPAdapterAttnProcessor)["__call__"]
+    ip = {"ip_hidden_states": [torch.randn(1, 2, 32)]}
+    runner = DiTRunner(model, breakable_attention=handle, device="cpu")
+    try:
+        with torch.no_grad():
+            runner.capture(**_flux_inputs(0, joint_attention_kwargs=ip))
+            for step, scale in enumerate((1.0, 0.0, 5.0), start=1):
+                for proc in processors:
+                    proc.scale = [scale]
+                got = runner(**_flux_inputs(step, joint_attention_kwargs=ip)).sample
+                expected = model(**_flux_inputs(step, joint_attention_kwargs=ip)).sample
+                assert torch.equal(got, expected), f"scale {scale} replayed stale"
+            assert runner.stats.hits == 3
+    finally:
+        runner.close()
+    assert vars(FluxIPAdapterAttnProcessor)["__call__"] is original
