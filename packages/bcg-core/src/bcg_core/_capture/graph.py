@@ -304,7 +304,7 @@ class BreakableCUDAGraph:
 
         Raises:
             ReplayError: this graph is being captured or replayed right now (a break of its
-                own replay called it).
+                own replay called it, or a replay runs on another thread).
         """
         with self._lock:
             if self._state is _State.CAPTURING:
