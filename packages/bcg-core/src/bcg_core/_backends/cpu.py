@@ -31,6 +31,7 @@ from bcg_core._backends.cpu_recorder import (
     LocatingRecorder,
     Recorder,
     Step,
+    WrittenStorages,
     host_wait,
     new_recorder,
 )
@@ -115,7 +116,7 @@ class CpuPool:
     ops and breaks) from values that come from outside it."""
 
     def __init__(self) -> None:
-        self.graph_memory: set[int] = set()
+        self.graph_memory = WrittenStorages()
         # The stream captures into this pool run on when the caller names none, as a CUDA
         # pool's lane: one per pool, so a runner's ``stream`` is the stream it captures on.
         self.lane = CpuStream()
@@ -284,7 +285,7 @@ class CpuBackend:
 
     def note_graph_memory(self, pool: Any, tensors: Sequence[Any]) -> None:
         if isinstance(pool, CpuPool):
-            pool.graph_memory.update(t.untyped_storage().data_ptr() for t in tensors)
+            pool.graph_memory.add(tensors)
 
     def range_push(self, name: str) -> None:
         """No device timeline: ``torch.profiler.record_function`` names CPU steps already."""

@@ -56,12 +56,13 @@ import functools
 import itertools
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar, Token
 from typing import Any, NoReturn
 
 import torch
 import torch.utils._python_dispatch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from bcg_core._compare import bitwise_equal
 from bcg_core._context_reset import running_task
@@ -341,6 +342,40 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _dead(ref: StorageWeakRef) -> bool:
+    return bool(ref.expired())  # type: ignore[no-untyped-call]
+
+
+class WrittenStorages:
+    """The storages a pool's captures wrote (see :class:`HostScalar`), by address, each only
+    while it lives. A plain set of addresses kept those of graphs long reset: in a shared pool
+    it grew with every capture, and a 0-dim tensor from outside the graph that the allocator
+    later placed at such an address was taken for graph memory (its change replayed silently
+    instead of raising :class:`ReplayError`)."""
+
+    __slots__ = ("_pruned", "_refs")
+
+    def __init__(self) -> None:
+        self._refs: dict[int, StorageWeakRef] = {}
+        self._pruned = 0  # how many were alive at the last pruning
+
+    def add(self, tensors: Iterable[torch.Tensor]) -> None:
+        refs = self._refs
+        for t in tensors:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            ref = refs.get(ptr)
+            if ref is None or _dead(ref):
+                refs[ptr] = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+        if len(refs) > 2 * self._pruned + 64:  # amortised: the dead go, the size stays bounded
+            self._refs = {p: r for p, r in refs.items() if not _dead(r)}
+            self._pruned = len(self._refs)
+
+    def __contains__(self, ptr: object) -> bool:
+        ref = self._refs.get(ptr) if isinstance(ptr, int) else None
+        return ref is not None and not _dead(ref)
+
+
 def _snapshot(obj: Any) -> Any:
     """``obj`` with every tensor replaced by a tensor over the same storage whose sizes, strides
     and offset are frozen now (call under ``_AutoDispatchBelowADInplaceOrView``)."""
@@ -453,7 +488,7 @@ class HostScalar:
 
     __slots__ = ("graph_memory", "live", "op", "value")
 
-    def __init__(self, op: Any, t: torch.Tensor, graph_memory: set[int]) -> None:
+    def __init__(self, op: Any, t: torch.Tensor, graph_memory: WrittenStorages) -> None:
         self.op = op
         self.graph_memory = graph_memory
         with torch._C._AutoDispatchBelowADInplaceOrView():
@@ -498,13 +533,13 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
     # A random op on a private generator is refused as on CUDA (see private_generator_error).
     refuses_private_generators = True
 
-    def __init__(self, graph_memory: set[int] | None = None) -> None:
+    def __init__(self, graph_memory: WrittenStorages | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.capture_id = next(_capture_ids)
         self.steps: list[Step] = []
         # Storages this capture writes (shared by its segments through the pool): a 0-dim
         # operand outside them is a value from outside the graph, see host_scalars.
-        self.graph_memory: set[int] = graph_memory if graph_memory is not None else set()
+        self.graph_memory = graph_memory if graph_memory is not None else WrittenStorages()
         self.host_scalars: list[HostScalar] = []
         self.error: CaptureError | None = None  # a HostSyncError, or another task's op
         self.stopped = False
@@ -645,7 +680,7 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         tags = func.tags
         outs = _tensors(out)
         if packet in _ALLOCATIONS:
-            self.graph_memory.update(map(_storage_ptr, outs))
+            self.graph_memory.add(outs)
             return  # uninitialised memory: nothing to compute at replay
         if packet in _METADATA_MUTATIONS or torch.Tag.inplace_view in tags:
             return  # metadata only; later steps hold snapshots with the new metadata
@@ -661,7 +696,7 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
                 ptr = _storage_ptr(t)
                 if ptr not in self.graph_memory and ptr not in written:
                     self.host_scalars.append(HostScalar(func, t, self.graph_memory))
-        self.graph_memory.update(written)
+        self.graph_memory.add(outs)
         with torch._C._AutoDispatchBelowADInplaceOrView():
             s_args, s_kwargs = _snapshot(args), _snapshot(kwargs)
             if not fresh:
@@ -723,7 +758,7 @@ class LocatingRecorder(_CompilingRecorder):  # type: ignore[no-untyped-call]
 
     refuses_private_generators = False
 
-    def __init__(self, graph_memory: set[int] | None = None) -> None:
+    def __init__(self, graph_memory: WrittenStorages | None = None) -> None:
         super().__init__(graph_memory)
         self.locations: list[str] = []
 
@@ -741,7 +776,7 @@ class LocatingRecorder(_CompilingRecorder):  # type: ignore[no-untyped-call]
         return out
 
 
-def new_recorder(graph_memory: set[int] | None = None) -> Recorder:
+def new_recorder(graph_memory: WrittenStorages | None = None) -> Recorder:
     """A recorder for one segment: a :class:`LocatingRecorder` inside
     :func:`record_source_locations`; else the opaque kind once ``torch._dynamo`` is imported
     (something may compile), else the cheaper kind dynamo is never near."""

@@ -502,7 +502,9 @@ class BreakableGraphRunner:
                     _note_storage(statics, t)
                 for t in entry.graph._bridge_tensors_outside_pool():
                     _note_storage(bridges, t)  # pooled bridges are counted in the pool
-            return GraphMemory(pool_bytes, sum(statics.values()), sum(bridges.values()))
+            # A break returning its argument bridges the static buffer itself: counted once.
+            outside = sum(n for ptr, n in bridges.items() if ptr not in statics)
+            return GraphMemory(pool_bytes, sum(statics.values()), outside)
 
     @contextlib.contextmanager
     def warmup(self) -> Iterator[BreakableGraphRunner]:
