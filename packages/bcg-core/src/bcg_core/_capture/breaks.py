@@ -184,7 +184,9 @@ def eager_on_graph(
 
         # The break at run time, apart from the wrapper: graph_broken wraps this, not the
         # wrapper, which holds graph_broken (a cycle kept every dropped break's function, and
-        # what its closure holds, a model or tensors, for the garbage collector).
+        # what its closure holds, a model or tensors, for the garbage collector). It carries
+        # the function's name: dynamo's graph-break and fullgraph errors name it.
+        @functools.wraps(f)
         def run(*args: Any, **kwargs: Any) -> Any:
             if gated and not is_in_breakable_cuda_graph():
                 return f(*args, **kwargs)
