@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from bcg_core import eager_on_graph
+from bcg_core import BreakableGraphRunner, eager_on_graph
 
 
 @pytest.fixture(autouse=True)
@@ -37,3 +37,41 @@ def test_a_fullgraph_error_at_a_break_names_the_break_s_function() -> None:
     with pytest.raises(Exception, match="_untraceable_break") as info:
         compiled(torch.ones(2))
     assert "<locals>.run" not in str(info.value)
+
+
+def _set_equal_values(cfg: dict[str, object], x: torch.Tensor) -> torch.Tensor:
+    # Sets values equal to those it was given: no change a caller could see but identity.
+    cfg["size"] = (2, 3)
+    cfg["shape"] = x.shape
+    return x * 2
+
+
+def test_a_step_setting_an_equal_tuple_again_still_replays() -> None:
+    # The container check (d652c38) compared a container's children by identity, numbers and
+    # strings by value: a step storing an equal tuple again (cfg["size"] = (2, 3), or
+    # cfg["shape"] = x.shape) had "changed" its argument, so its capture failed and the
+    # signature ran eagerly from then on, where every call replayed before.
+    runner = BreakableGraphRunner(_set_equal_values, device="cpu")
+    for i in range(4):
+        x = torch.full((2, 3), float(i))
+        cfg: dict[str, object] = {"size": (2, 3), "shape": torch.Size([2, 3])}
+        got = runner.capture(cfg, x) if i == 0 else runner(cfg, x)
+        assert torch.equal(got, x * 2)
+        assert cfg == {"size": (2, 3), "shape": torch.Size([2, 3])}
+    assert runner.stats.hits == 3
+
+
+def _reshape_by(x: torch.Tensor, size: torch.Size) -> torch.Tensor:
+    return x.reshape(size) * size.numel()
+
+
+def test_a_torch_size_argument_reaches_the_step_as_a_torch_size() -> None:
+    # The container copy of a capture (d652c38) rebuilt every container through pytree, which
+    # makes a torch.Size a plain tuple: the step's size.numel() raised at capture, so the
+    # signature ran eagerly from then on, where every call replayed before.
+    runner = BreakableGraphRunner(_reshape_by, device="cpu")
+    for i in range(4):
+        x = torch.full((6,), float(i))
+        got = runner.capture(x, torch.Size([2, 3])) if i == 0 else runner(x, torch.Size([2, 3]))
+        assert torch.equal(got, _reshape_by(x, torch.Size([2, 3])))
+    assert runner.stats.hits == 3

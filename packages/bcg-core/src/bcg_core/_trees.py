@@ -573,7 +573,8 @@ Snapshot = list[tuple[str, Any, Hashable, list[Any]]]
 def copy_containers(obj: Any) -> Any:
     """``obj`` with every pytree container (outside dataclasses and plain objects) rebuilt,
     the leaves and objects as they are: a step that changes a container of the copy leaves the
-    caller's alone."""
+    caller's alone. A tuple with nothing copied inside is kept (it cannot change, and pytree
+    would rebuild a ``torch.Size`` as a plain tuple)."""
     return _copy_containers(obj, set())
 
 
@@ -586,6 +587,10 @@ def _copy_containers(obj: Any, active: set[int]) -> Any:
     active.add(id(obj))
     copied = [_copy_containers(c, active) for c in children]
     active.discard(id(obj))
+    if isinstance(obj, tuple) and all(a is b for a, b in zip(copied, children, strict=True)):
+        # Nothing in it to copy, and it cannot change: itself (a torch.Size rebuilt by pytree
+        # came out a plain tuple, and a step calling size.numel() failed its capture).
+        return obj
     return _rebuild(obj, _PYTREE, context, copied)
 
 
@@ -644,5 +649,16 @@ def changed_container(snapshot: Snapshot) -> str | None:
 
 
 def _same_leaf(a: Any, b: Any) -> bool:
-    # An equal number or string set again is no change (``d["n"] = 1`` where it was 1).
-    return a is b or (type(a) in SCALARS and type(a) is type(b) and a == b)
+    # An equal number or string set again is no change (``d["n"] = 1`` where it was 1), nor
+    # an equal tuple (``d["size"] = (2, 3)``, ``x.shape``): immutable, only its identity differs.
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if type(a) in SCALARS:
+        return bool(a == b)
+    return (
+        isinstance(a, tuple)
+        and len(a) == len(b)
+        and all(_same_leaf(x, y) for x, y in zip(a, b, strict=True))
+    )
