@@ -116,7 +116,8 @@ class BreakableGraphRunner:
     (``state["out"] = y``, ``items.append(t)``) gets copies, and a replay runs no Python: its
     capture fails and its signature runs eagerly (return the value instead).
 
-    **Inference.** Outputs of a replay (and of a capture) carry no autograd history; a graph
+    **Inference.** Outputs of a replay (and of a capture) carry no autograd history (but an
+    argument the step returns as itself is the caller's tensor, with its own history); a graph
     replays in the inference mode it was captured in, and its output is cloned in the
     caller's mode. A graph holds the wrapped module's ``train()``/``eval()`` mode of its
     capture (the module, a bound method's, or the one behind a ``functools.partial`` or
