@@ -3,6 +3,7 @@ graph backend: each test compares with eager or with what held before those chan
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import pytest
@@ -75,3 +76,23 @@ def test_a_torch_size_argument_reaches_the_step_as_a_torch_size() -> None:
         got = runner.capture(x, torch.Size([2, 3])) if i == 0 else runner(x, torch.Size([2, 3]))
         assert torch.equal(got, _reshape_by(x, torch.Size([2, 3])))
     assert runner.stats.hits == 3
+
+
+def _read_missing(d: collections.defaultdict[str, float], x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + d["missing"]  # a defaultdict's read of a missing key adds it
+
+
+def test_a_changed_defaultdict_is_named_by_the_key_added(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The container check (d652c38) read a dict's keys from its pytree context, which for a
+    # defaultdict is [factory, keys]: the refusal said "key 'a' added, key 'missing' added,
+    # key <class 'float'> removed, key ('a',) removed" for one key added.
+    caplog.set_level(logging.WARNING, logger="bcg_core")
+    runner = BreakableGraphRunner(_read_missing, device="cpu")
+    d = collections.defaultdict(float, {"a": 1.0})
+    x = torch.ones(2)
+    assert torch.equal(runner.capture(d, x), x * 2)
+    assert "key 'missing' added" in caplog.text
+    assert "removed" not in caplog.text
+    assert "key 'a'" not in caplog.text

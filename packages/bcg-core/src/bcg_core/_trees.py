@@ -565,9 +565,9 @@ def same_up_to_key_order(got: TreeSpec, want: TreeSpec) -> bool:
     )
 
 
-# A container of a call as a step received it: its path, the container, its context (keys)
-# and its children, for ``changed_container``.
-Snapshot = list[tuple[str, Any, Hashable, list[Any]]]
+# A container of a call as a step received it: its path, the container, its context (keys),
+# its children and, for a dict, its keys, for ``changed_container``.
+Snapshot = list[tuple[str, Any, Hashable, list[Any], tuple[Any, ...]]]
 
 
 def copy_containers(obj: Any) -> Any:
@@ -611,11 +611,14 @@ def _snapshot(node: Any, path: str, out: Snapshot, active: set[int]) -> None:
     if _kind(node) != _PYTREE or id(node) in active:
         return
     children, context = _children(node, _PYTREE)
-    out.append((path, node, _context_key(context), children))
-    keyed = isinstance(node, dict) and len(context) == len(children)
+    # A dict's keys apart from its context, which is more than its keys for some (a
+    # defaultdict's holds its factory): the message names the keys added or removed.
+    keys = tuple(node) if isinstance(node, dict) else ()
+    out.append((path, node, _context_key(context), children, keys))
+    keyed = isinstance(node, dict) and len(keys) == len(children)
     active.add(id(node))
     for i, child in enumerate(children):
-        _snapshot(child, f"{path}[{context[i]!r}]" if keyed else f"{path}[{i}]", out, active)
+        _snapshot(child, f"{path}[{keys[i]!r}]" if keyed else f"{path}[{i}]", out, active)
     active.discard(id(node))
 
 
@@ -623,7 +626,7 @@ def changed_container(snapshot: Snapshot) -> str | None:
     """The first container of ``snapshot`` that no longer holds the same keys and the same
     children (by identity) as its path and what changed (``args[0] (a dict): key 'out'
     added``); None when none changed."""
-    for path, node, context, children in snapshot:
+    for path, node, context, children, keys in snapshot:
         now, now_context = _children(node, _PYTREE)
         if _context_key(now_context) == context and len(now) == len(children):
             replaced = [
@@ -633,10 +636,9 @@ def changed_container(snapshot: Snapshot) -> str | None:
             ]
             if not replaced:
                 continue
-            where = now_context[replaced[0]] if isinstance(node, dict) else replaced[0]
+            where = keys[replaced[0]] if len(keys) == len(now) else replaced[0]
             change = f"item [{where!r}] replaced"
         elif isinstance(node, dict):
-            keys = context if isinstance(context, tuple) else ()  # a dict's context: its keys
             added = [k for k in node if k not in keys]
             gone = [k for k in keys if k not in node]
             change = ", ".join(
