@@ -300,7 +300,8 @@ class BreakableGraphRunner:
 
         Returns:
             The module's output: a clone of the static output on a replay (the static output
-            itself with ``return_views=True``), or the eager result.
+            itself with ``return_views=True``; an argument the step returns is the caller's
+            tensor), or the eager result.
 
         Raises:
             BreakOutputError: at replay, a break returned other tensors or plain values than at
@@ -398,7 +399,8 @@ class BreakableGraphRunner:
             **kwargs: keyword arguments for the module.
 
         Returns:
-            The call's output (a clone of the static output unless ``return_views=True``).
+            The call's output (a clone of the static output unless ``return_views=True``; an
+            argument the step returns is the caller's tensor).
         """
         with self.warmup():
             return self(*args, **kwargs)
