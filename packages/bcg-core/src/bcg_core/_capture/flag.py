@@ -33,7 +33,7 @@ _ENABLED: ContextVar[bool] = ContextVar("bcg_core_enabled", default=False)
 _DISABLED: ContextVar[bool] = ContextVar("bcg_core_disabled", default=False)
 _BCG_DISABLE = EnvFlag("BCG_DISABLE")
 _F = TypeVar("_F", bound=Callable[..., Any])
-_open_lock = threading.Lock()  # FlagBlock._open of every block: entered and left on any thread
+_open_lock = threading.Lock()  # FlagBlock._open's exits, left on any thread
 
 
 def bcg_disabled_by_env() -> bool:
@@ -85,15 +85,20 @@ class FlagBlock(contextlib.ContextDecorator):
     def __enter__(self) -> None:
         block = self._block()
         block.__enter__()
-        with _open_lock:
-            self._open.append((context_key(), block))
+        # (No lock: an append moves no entry an exit's scan found.)
+        self._open.append((context_key(), block))
 
     def __exit__(self, *exc_info: Any) -> bool | None:
         key = context_key()
         with _open_lock:
-            mine = [i for i, (k, _) in enumerate(self._open) if k == key]
+            # The last block entered here, found from the end (usually the last one): a scan
+            # of the whole list made every block's enter and exit cost twice what it did.
+            blocks = self._open
+            i = len(blocks) - 1
+            while i >= 0 and blocks[i][0] != key:
+                i -= 1
             # None entered here: left in another context (a generator's finaliser), the last.
-            _, block = self._open.pop(mine[-1] if mine else -1)
+            _, block = blocks.pop(i if i >= 0 else -1)
         return block.__exit__(*exc_info)
 
     def __call__(self, func: _F) -> _F:
