@@ -545,7 +545,11 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
         tb: TracebackType | None,
     ) -> None:
         state, stack = self._state, self._exit_stack
-        assert state is not None and stack is not None
+        if state is None or stack is None:  # not an assert: python -O would strip it
+            raise CaptureError(
+                "BreakableCUDAGraphCapture was exited more times than it was entered; use it "
+                "as a `with` block"
+            )
         self._state = self._exit_stack = None
         try:
             with stack:

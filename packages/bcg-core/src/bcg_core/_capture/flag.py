@@ -97,6 +97,11 @@ class FlagBlock(contextlib.ContextDecorator):
             i = len(blocks) - 1
             while i >= 0 and blocks[i][0] != key:
                 i -= 1
+            if not blocks:  # (the raw error was IndexError: pop from empty list)
+                raise RuntimeError(
+                    f"a {self._name}() block was exited more times than it was entered; use "
+                    "it as a `with` block or a decorator"
+                )
             # None entered here: left in another context (a generator's finaliser), the last.
             _, block = blocks.pop(i if i >= 0 else -1)
         return block.__exit__(*exc_info)
