@@ -443,3 +443,145 @@ def test_the_exit_guards_hold_under_python_O() -> None:
         [sys.executable, "-O", "-c", code], capture_output=True, text=True, check=False
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+# -- errors from capture options and from the warm-up block -----------------------------------
+
+
+def _stub_raises(h: torch.Tensor) -> torch.Tensor:
+    raise ValueError("the stub failed")
+
+
+@eager_on_graph(name="hyg.stubbed", capture_stub=_stub_raises)
+def _stubbed(h: torch.Tensor) -> torch.Tensor:
+    return h + 1
+
+
+_CACHE: list[torch.Tensor] = []
+
+
+@eager_on_graph(name="hyg.leaks")
+def _leaks(h: torch.Tensor) -> torch.Tensor:
+    _CACHE.append(h * 7)  # a tensor made here and kept: reported under debug
+    return h + 1
+
+
+@eager_on_graph(name="hyg.interrupted")
+def _interrupted(h: torch.Tensor) -> torch.Tensor:
+    raise KeyboardInterrupt
+
+
+def _barrier_raises() -> None:
+    raise ValueError("the barrier failed")
+
+
+_OPTION_CASES: dict[str, tuple[dict[str, Any], Callable[[torch.Tensor], object]]] = {
+    "barrier raises": ({"barrier_fn": _barrier_raises}, lambda x: _ok(x * 2)),
+    "capture stub raises": ({}, lambda x: _stubbed(x * 2)),
+    "strict debug leak": ({"debug": "strict"}, lambda x: _leaks(x * 2)),
+    "interrupt in a break": ({}, lambda x: _interrupted(x * 2)),
+}
+
+
+@pytest.mark.parametrize("case", list(_OPTION_CASES))
+def test_an_error_from_a_capture_option_leaves_nothing_behind(case: str) -> None:
+    options, step = _OPTION_CASES[case]
+    x = torch.arange(4.0)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with (
+        pytest.raises((ValueError, KeyboardInterrupt, bcg_core.CaptureError)),
+        BreakableCUDAGraphCapture(graph, **options),
+    ):
+        step(x)
+    _CACHE.clear()
+    _assert_idle()
+    _check_pool_usable(graph)
+
+
+def test_an_error_in_the_warmup_block_leaves_nothing_behind() -> None:
+    graph = BreakableCUDAGraph(backend="cpu")
+    before = _CPU.current_stream()
+    with pytest.raises(ValueError, match="warm-up"), graph.warmup():
+        raise ValueError("warm-up failed")
+    assert _CPU.current_stream() is before
+    _assert_idle()
+    _check_pool_usable(graph)
+
+
+# -- runner methods refused from a break of the runner's own replay --------------------------
+
+_runner_call: dict[str, Callable[[], object] | None] = {"call": None}
+
+
+@eager_on_graph(name="hyg.runner_meddle")
+def _runner_meddle(h: torch.Tensor) -> torch.Tensor:
+    call = _runner_call["call"]
+    if call is not None:
+        call()
+    return h + 1
+
+
+@pytest.mark.parametrize("method", ["reset", "check_divergence", "call", "capture"])
+def test_a_runner_method_refused_from_its_replay_leaves_nothing_behind(method: str) -> None:
+    runner = BreakableGraphRunner(lambda x: _runner_meddle(x * 3) * 2, device="cpu")
+    x = torch.arange(4.0)
+    runner.capture(x)
+    calls: dict[str, Callable[[], object]] = {
+        "reset": runner.reset,
+        "check_divergence": lambda: runner.check_divergence(x, x + 1),
+        "call": lambda: runner(x),
+        "capture": lambda: runner.capture(x),
+    }
+    _runner_call["call"] = calls[method]
+    try:
+        with contextlib.suppress(Exception):
+            runner(x)
+    finally:
+        _runner_call["call"] = None
+    _assert_idle()
+    hits = runner.stats.hits
+    for i in range(3):
+        y = torch.arange(4.0) * (i + 2)
+        assert torch.equal(runner(y), (y * 3 + 1) * 2)
+    assert runner.stats.hits == hits + 3
+    _assert_idle()
+
+
+def _changes_its_container(cfg: dict[str, int], x: torch.Tensor) -> torch.Tensor:
+    cfg["n"] = cfg.get("n", 0) + 1
+    return x * 2
+
+
+def test_a_step_changing_its_container_runs_eagerly_leaving_nothing_behind() -> None:
+    runner = BreakableGraphRunner(_changes_its_container, device="cpu")
+    cfg: dict[str, int] = {}
+    for i in range(3):
+        x = torch.full((2,), float(i))
+        got = runner.capture(cfg, x) if i == 0 else runner(cfg, x)
+        assert torch.equal(got, x * 2)
+        _assert_idle()
+    assert cfg["n"] == 3  # every call's change reached the caller, as eagerly
+
+
+# -- a replay token scope left in another context -----------------------------------------
+
+
+def test_a_replay_token_scope_left_in_another_context_raises_nothing() -> None:
+    # A scope held open across a yield and closed from another context (a generator's or an
+    # async generator's finaliser) raised contextvars' raw ValueError ("created in a different
+    # Context"); bcg_core's flag blocks and captures leave quietly there (the leaving context
+    # never saw the token).
+    import contextvars
+
+    from bcg_diffusion import get_current_replay_token, replay_token_scope
+
+    def scoped() -> Any:
+        with replay_token_scope() as token:
+            yield token
+
+    gen = scoped()
+    entered = contextvars.copy_context()
+    token = entered.run(next, gen)
+    assert entered.run(get_current_replay_token) == token
+    contextvars.copy_context().run(gen.close)
+    assert get_current_replay_token() is None

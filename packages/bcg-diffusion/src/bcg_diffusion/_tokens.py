@@ -44,7 +44,8 @@ class ReplayTokenScope(contextlib.ContextDecorator):
     makes a fresh one per call. Entering an instance that is entered already (nested, or in
     another thread) raises: its second reset token overwrote the first, so the outer exit
     raised contextvars' raw "Token has already been used once" and left its token set after
-    the block (eager code outside any replay then trusted a replay's cache)."""
+    the block (eager code outside any replay then trusted a replay's cache). Left in another
+    context than it was entered in (a generator's finaliser), it leaves quietly."""
 
     _reset: Token[int | None] | None = None
 
@@ -65,7 +66,12 @@ class ReplayTokenScope(contextlib.ContextDecorator):
     def __exit__(self, *exc_info: object) -> None:
         reset, self._reset = self._reset, None
         if reset is not None:
-            _TOKEN.reset(reset)
+            # Left in another context than it was entered in (held across a yield, closed by a
+            # generator's finaliser), contextvars refuses the reset with a raw ValueError; the
+            # leaving context never saw the token, so there is nothing to undo in it (as
+            # bcg_core's own blocks do).
+            with contextlib.suppress(ValueError):
+                _TOKEN.reset(reset)
 
 
 def replay_token_scope() -> AbstractContextManager[int]:
