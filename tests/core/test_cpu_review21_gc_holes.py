@@ -11,14 +11,11 @@ what the path left to the collector.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
-from graph_helpers import cpu_capture
+from graph_helpers import cpu_capture, left_to_the_collector
 
 import bcg_core
 from bcg_core import BreakableGraphRunner, check_capture, eager_on_graph
@@ -32,28 +29,6 @@ def _tanh(h: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class _Box:
     t: torch.Tensor
-
-
-def left_to_the_collector(run: Callable[[], Any]) -> list[str]:
-    """The bcg types and tensor types that ``run()`` (called 3 times after a warm-up call) left
-    in reference cycles; the collector is always restored."""
-    run()
-    gc.collect()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        for _ in range(3):
-            run()
-        gc.collect()
-    finally:
-        gc.set_debug(0)
-        gc.enable()
-    garbage = [type(o) for o in gc.garbage]
-    gc.garbage.clear()
-    return sorted(
-        {t.__qualname__ for t in garbage if t.__module__.startswith(("bcg_core", "bcg_diffusion"))}
-        | {t.__qualname__ for t in garbage if issubclass(t, torch.Tensor)}
-    )
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from thread_helpers import run_threads
 
 import bcg_core
 from bcg_core import BreakableGraphRunner, eager_on_graph
@@ -22,26 +23,7 @@ _TIMEOUT = 20.0
 
 
 def _run_threads(targets: list[Callable[[], None]]) -> None:
-    """Run each target in a thread of its own; re-raise the first error, fail on a hang."""
-    errors: list[BaseException] = []
-
-    def wrap(target: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                target()
-            except BaseException as exc:  # reported in the main thread
-                errors.append(exc)
-
-        return run
-
-    threads = [threading.Thread(target=wrap(t), daemon=True) for t in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(_TIMEOUT)
-    assert not any(t.is_alive() for t in threads), "a thread hung (deadlock)"
-    if errors:
-        raise errors[0]
+    run_threads(targets, _TIMEOUT)
 
 
 @eager_on_graph

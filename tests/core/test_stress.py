@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import os
 import threading
@@ -28,7 +29,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from graph_helpers import capture, device_graph
+from graph_helpers import capture, device_graph, left_to_the_collector
 
 from bcg_core import (
     BreakableCUDAGraph,
@@ -314,21 +315,6 @@ def test_no_cycle_kind_leaves_graph_state_to_the_garbage_collector(
     caplog.set_level(logging.CRITICAL, logger="bcg_core")
     cycles = _Cycles(device)
     run = getattr(cycles, kind)
-    run(0)  # first use: lazily made caches and modules are not the cycle's garbage
-    gc.collect()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        for i in range(1, 5):
-            run(i)
-        gc.collect()
-    finally:
-        gc.set_debug(0)
-        gc.enable()
-    garbage = [type(o) for o in gc.garbage]
-    gc.garbage.clear()
-    kept = sorted(
-        {t.__qualname__ for t in garbage if t.__module__.startswith(("bcg_core", "bcg_diffusion"))}
-        | {t.__qualname__ for t in garbage if issubclass(t, torch.Tensor)}
-    )
+    calls = itertools.count()  # cycle 0 warms up, as the helper's first call
+    kept = left_to_the_collector(lambda: run(next(calls)), runs=4)
     assert kept == [], f"{kind}: left to the garbage collector: {kept}"

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from thread_helpers import run_threads
 
 from bcg_core import BreakableGraphRunner
 from bcg_diffusion import DiTRunner, is_breakable_attention_installed, uninstall_breakable_attention
@@ -34,26 +35,14 @@ def _inputs(seed: int, res: int = 4) -> tuple[torch.Tensor, ...]:
 
 
 def _run_threads(targets: list[Callable[[], None]]) -> None:
-    errors: list[BaseException] = []
-
-    def wrap(target: Callable[[], None]) -> Callable[[], None]:
+    def no_grad(target: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
-            try:
-                with torch.no_grad():
-                    target()
-            except BaseException as exc:  # reported in the main thread
-                errors.append(exc)
+            with torch.no_grad():
+                target()
 
         return run
 
-    threads = [threading.Thread(target=wrap(t), daemon=True) for t in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(_TIMEOUT)
-    assert not any(t.is_alive() for t in threads), "a thread hung (deadlock)"
-    if errors:
-        raise errors[0]
+    run_threads([no_grad(t) for t in targets], _TIMEOUT)
 
 
 def test_two_dit_runners_on_one_class_replay_from_threads_while_one_closes() -> None:
