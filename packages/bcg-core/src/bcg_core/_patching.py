@@ -20,10 +20,14 @@ original and is not touched by its bases' patches.
 
 All state is guarded by one lock. If something else replaced the attribute after bcg patched it,
 bcg leaves it alone on release (restoring would clobber the other patch) and logs a warning.
+
+:func:`hook_attribute` is the lighter tool of bcg's own temporary hooks (the backends' stream and
+host-read hooks, installed while captures run): no sharing, but the same care on removal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import logging
@@ -254,6 +258,50 @@ def patch_attribute(target: Any, name: str, wrap: Wrap) -> PatchHandle:
                 raise
             _slots[key] = slot
         return PatchHandle([(slot, wrap)], (slot.describe(),))
+
+
+def hook_attribute(target: Any, name: str, make: Wrap) -> Callable[[], None]:
+    """Set ``target.name`` (a module or class attribute) to ``make(current)`` and return the
+    function that removes it again.
+
+    Removal restores what ``target`` held only while the attribute is still this hook. When
+    other code patched it since (wrapping the hook), restoring would drop that patch: the hook
+    stays under it instead, turned into a pass-through to what it wrapped, so the other patch
+    keeps working, and a later hook simply wraps it. Removing twice does nothing more.
+
+    Args:
+        target: the module or class.
+        name: the attribute.
+        make: takes the current value, returns the hook's behaviour.
+
+    Returns:
+        The remover (call it once the hook is no longer wanted).
+    """
+    own = vars(target).get(name, _ABSENT)
+    current = getattr(target, name)
+    hooked = make(current)
+    active = [True]
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        return (hooked if active[0] else current)(*args, **kwargs)
+
+    for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(hook, attr, getattr(hooked, attr))
+    setattr(target, name, hook)
+
+    def remove() -> None:
+        if not active[0]:
+            return
+        active[0] = False
+        if vars(target).get(name, _ABSENT) is not hook:
+            return  # patched over since: left in place as a pass-through (see above)
+        if own is _ABSENT:
+            delattr(target, name)
+        else:
+            setattr(target, name, own)
+
+    return remove
 
 
 def _new_slot(target: Any, name: str, kind: str) -> _Slot:

@@ -67,6 +67,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from bcg_core._compare import bitwise_equal
 from bcg_core._context_reset import running_task
 from bcg_core._errors import CaptureError, HostSyncError, ReplayError
+from bcg_core._patching import hook_attribute
 from bcg_core._source import user_location
 from bcg_core._trees import map_tensors, tensor_leaves
 
@@ -209,9 +210,7 @@ def host_sync_error(op: str, reason: str, location: str | None) -> HostSyncError
 _ACTIVE: ContextVar[Recorder | None] = ContextVar("bcg_core_cpu_recorder", default=None)
 _hooks_lock = threading.Lock()
 _hooks_refcount = 0
-_INHERITED = object()
-_saved: dict[str, Any] = {}
-_saved_capturing = torch.cuda.is_current_stream_capturing
+_removers: list[Callable[[], None]] = []  # the installed hooks' removers, in install order
 
 
 def _hook(name: str, reason: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -281,7 +280,6 @@ _SEEDING: tuple[tuple[str, Callable[[Any], Any]], ...] = (
     ("manual_seed", _manual_seed_hook),
     ("seed", _seed_hook),
 )
-_saved_seeding: dict[str, Any] = {}
 
 
 def _capturing_hook(original: Callable[[], bool]) -> Callable[[], bool]:
@@ -296,20 +294,21 @@ def _capturing_hook(original: Callable[[], bool]) -> Callable[[], bool]:
 def host_read_hooks() -> Iterator[None]:
     """Wrap ``Tensor.tolist``/``numpy``/``__repr__``/``cpu``,
     ``torch.cuda.is_current_stream_capturing`` and ``torch.manual_seed``/``torch.seed`` (also as
-    ``torch.random``'s) for the enclosed block (refcounted)."""
-    global _hooks_refcount, _saved_capturing
+    ``torch.random``'s) for the enclosed block (refcounted). Removed with ``hook_attribute``: a
+    patch another library put over one of them meanwhile is kept (it was overwritten)."""
+    global _hooks_refcount
     with _hooks_lock:
         if _hooks_refcount == 0:
             for name, reason in _PYTHON_READS.items():
-                _saved[name] = torch.Tensor.__dict__.get(name, _INHERITED)
-                setattr(torch.Tensor, name, _hook(name, reason, getattr(torch.Tensor, name)))
-            _saved_capturing = torch.cuda.is_current_stream_capturing
-            torch.cuda.is_current_stream_capturing = _capturing_hook(_saved_capturing)
+                _removers.append(
+                    hook_attribute(torch.Tensor, name, functools.partial(_hook, name, reason))
+                )
+            _removers.append(
+                hook_attribute(torch.cuda, "is_current_stream_capturing", _capturing_hook)
+            )
             for name, make in _SEEDING:
-                _saved_seeding[name] = getattr(torch.random, name)
-                hooked = make(_saved_seeding[name])
-                setattr(torch.random, name, hooked)
-                setattr(torch, name, hooked)
+                for module in (torch.random, torch):
+                    _removers.append(hook_attribute(module, name, make))
         _hooks_refcount += 1
     try:
         yield
@@ -317,17 +316,8 @@ def host_read_hooks() -> Iterator[None]:
         with _hooks_lock:
             _hooks_refcount -= 1
             if _hooks_refcount == 0:
-                for name, own in _saved.items():
-                    if own is _INHERITED:
-                        delattr(torch.Tensor, name)
-                    else:
-                        setattr(torch.Tensor, name, own)
-                _saved.clear()
-                torch.cuda.is_current_stream_capturing = _saved_capturing
-                for name, own in _saved_seeding.items():
-                    setattr(torch.random, name, own)
-                    setattr(torch, name, own)
-                _saved_seeding.clear()
+                while _removers:
+                    _removers.pop()()
 
 
 # -- recording ------------------------------------------------------------------------------------

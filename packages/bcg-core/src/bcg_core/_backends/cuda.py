@@ -29,6 +29,7 @@ from bcg_core._backends.cuda_pool import (
 from bcg_core._backends.cudart import RUNTIME
 from bcg_core._backends.seam import CaptureInfo, StreamObserver, pool_id
 from bcg_core._errors import CaptureError
+from bcg_core._patching import hook_attribute
 
 _STREAMS_KEPT = 256  # Stream objects kept per backend, by raw pointer (a process uses a few)
 
@@ -271,55 +272,59 @@ def _install_stream_hooks(observer: StreamObserver) -> Callable[[], None]:
     # stream in C++, past set_stream: a break's side stream used so was never joined). Each
     # wrapper calls the original first, then reports to the capture found in the caller's
     # context; a wait the capture drops (on uncaptured work, see StreamTracker.drops_wait) is
-    # not made at all.
-    record = torch.cuda.Event.record
-    wait = torch.cuda.Event.wait
-    set_stream = torch.cuda.set_stream
-    own_enter = torch.cuda.Stream.__dict__.get("__enter__")  # None: torch.Stream's, inherited
-    enter = getattr(torch.cuda.Stream, "__enter__", None)  # None: a CPU-only build of torch
+    # not made at all. Installed and removed with hook_attribute: a patch another library put
+    # over one of them meanwhile survives the removal (our hook, under it, then only forwards).
 
-    def event_record(self: Any, stream: Any = None) -> None:
-        record(self, stream)
-        events = observer()
-        if events is not None:
-            events.on_record(self, _cuda_stream(stream))
+    def event_record(record: Any) -> Any:
+        def hook(self: Any, stream: Any = None) -> None:
+            record(self, stream)
+            events = observer()
+            if events is not None:
+                events.on_record(self, _cuda_stream(stream))
 
-    def event_wait(self: Any, stream: Any = None) -> None:
-        events = observer()
-        target = _cuda_stream(stream)
-        if events is not None and events.drops_wait(target, self):
-            return
-        wait(self, stream)
-        if events is not None:
-            events.on_wait(target, self)
+        return hook
 
-    def set_stream_hook(stream: Any) -> None:
-        set_stream(stream)
-        events = observer()
-        if events is not None and stream is not None:
-            events.on_set_stream(_cuda_stream(stream))
+    def event_wait(wait: Any) -> Any:
+        def hook(self: Any, stream: Any = None) -> None:
+            events = observer()
+            target = _cuda_stream(stream)
+            if events is not None and events.drops_wait(target, self):
+                return
+            wait(self, stream)
+            if events is not None:
+                events.on_wait(target, self)
 
-    def stream_enter(self: Any) -> Any:
-        assert enter is not None
-        entered = enter(self)
-        events = observer()
-        if events is not None:
-            events.on_set_stream(self)
-        return entered
+        return hook
 
-    torch.cuda.Event.record = event_record  # type: ignore[method-assign]
-    torch.cuda.Event.wait = event_wait  # type: ignore[method-assign]
-    torch.cuda.set_stream = set_stream_hook
-    if enter is not None:
-        torch.cuda.Stream.__enter__ = stream_enter  # type: ignore[method-assign]
+    def set_stream_hook(set_stream: Any) -> Any:
+        def hook(stream: Any) -> None:
+            set_stream(stream)
+            events = observer()
+            if events is not None and stream is not None:
+                events.on_set_stream(_cuda_stream(stream))
+
+        return hook
+
+    def stream_enter(enter: Any) -> Any:
+        def hook(self: Any) -> Any:
+            entered = enter(self)
+            events = observer()
+            if events is not None:
+                events.on_set_stream(self)
+            return entered
+
+        return hook
+
+    removers = [
+        hook_attribute(torch.cuda.Event, "record", event_record),
+        hook_attribute(torch.cuda.Event, "wait", event_wait),
+        hook_attribute(torch.cuda, "set_stream", set_stream_hook),
+    ]
+    if getattr(torch.cuda.Stream, "__enter__", None) is not None:  # None: a CPU-only torch
+        removers.append(hook_attribute(torch.cuda.Stream, "__enter__", stream_enter))
 
     def uninstall() -> None:
-        torch.cuda.Event.record = record  # type: ignore[method-assign]
-        torch.cuda.Event.wait = wait  # type: ignore[method-assign]
-        torch.cuda.set_stream = set_stream
-        if own_enter is not None:
-            torch.cuda.Stream.__enter__ = own_enter  # type: ignore[method-assign]
-        elif enter is not None:
-            del torch.cuda.Stream.__enter__
+        for remove in reversed(removers):
+            remove()
 
     return uninstall

@@ -1,0 +1,117 @@
+"""Holes around patches and hooks (session leftalone): bcg's temporary hooks removed while
+another library's patch sits over them, ``bcg bench --json`` recording its settings, and a step
+that returns a view of its argument."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from graph_helpers import cpu_capture
+
+from bcg_core._patching import hook_attribute  # noqa: PLC2701
+
+
+@pytest.fixture
+def _restore_manual_seed() -> Iterator[None]:
+    saved = torch.manual_seed, torch.random.manual_seed
+    yield
+    torch.manual_seed, torch.random.manual_seed = saved
+
+
+def _counting(calls: list[Any]) -> Callable[[Any], Any]:
+    def wrap(original: Any) -> Any:
+        def patched(seed: Any) -> Any:
+            calls.append(seed)
+            return original(seed)
+
+        return patched
+
+    return wrap
+
+
+@pytest.mark.usefixtures("_restore_manual_seed")
+def test_a_patch_made_over_the_cpu_hooks_during_a_capture_survives_their_removal() -> None:
+    calls: list[Any] = []
+    theirs: list[Any] = []
+
+    def step() -> torch.Tensor:
+        # Another library patches torch.manual_seed while bcg's capture hooks are installed.
+        torch.manual_seed = _counting(calls)(torch.manual_seed)
+        theirs.append(torch.manual_seed)
+        return torch.ones(2) * 2
+
+    cpu_capture(step)
+    # Restoring the saved original dropped their patch.
+    assert torch.manual_seed is theirs[0]
+    torch.manual_seed(5)  # theirs, then bcg's old hook, now only forwarding
+    assert calls == [5]
+    assert torch.default_generator.initial_seed() == 5
+    # A later capture installs the hooks again, over their patch: a reseed is still refused.
+    with pytest.raises(Exception, match="reseeds the generator"):
+        cpu_capture(lambda: torch.manual_seed(6))
+    assert torch.manual_seed is theirs[0]
+    assert torch.default_generator.initial_seed() == 5
+
+
+class _Target:
+    def greet(self, who: str) -> str:
+        return f"hello {who}"
+
+
+def test_hook_attribute_leaves_a_later_patch_working_and_removes_cleanly_when_alone() -> None:
+    def loud(original: Any) -> Any:
+        return lambda self, who: original(self, who).upper()
+
+    remove = hook_attribute(_Target, "greet", loud)
+    assert _Target().greet("a") == "HELLO A"
+    remove()
+    assert "greet" in vars(_Target)  # its own attribute, restored as is
+    assert _Target().greet("a") == "hello a"
+
+    class _Child(_Target):
+        pass
+
+    remove = hook_attribute(_Child, "greet", loud)
+    assert _Child().greet("b") == "HELLO B"
+    under = _Child.greet
+    _Child.greet = lambda self, who: "[" + under(self, who) + "]"  # type: ignore[method-assign]
+    remove()
+    remove()  # twice: nothing more
+    assert _Child().greet("b") == "[hello b]"  # theirs kept, ours under it only forwards
+    remove = hook_attribute(_Child, "greet", loud)
+    assert _Child().greet("c") == "[HELLO C]".upper()
+    remove()
+    assert _Child().greet("c") == "[hello c]"
+
+    class _Plain(_Target):
+        pass
+
+    remove = hook_attribute(_Plain, "greet", loud)
+    remove()
+    assert "greet" not in vars(_Plain)  # inherited before: inherited again
+
+
+def test_the_cuda_stream_hooks_keep_a_patch_made_over_them() -> None:
+    from bcg_core._backends.cuda import _install_stream_hooks  # noqa: PLC2701
+
+    record, enter = torch.cuda.Event.record, vars(torch.cuda.Stream).get("__enter__")
+    before = torch.cuda.set_stream
+    uninstall = _install_stream_hooks(lambda: None)
+    ours = torch.cuda.set_stream
+    seen: list[Any] = []
+
+    def theirs(stream: Any) -> None:
+        seen.append(stream)
+        ours(stream)
+
+    torch.cuda.set_stream = theirs
+    try:
+        uninstall()
+        assert torch.cuda.set_stream is theirs  # not overwritten by the saved original
+        assert torch.cuda.Event.record is record  # the untouched ones are restored
+        assert vars(torch.cuda.Stream).get("__enter__") is enter
+    finally:
+        torch.cuda.set_stream = before
