@@ -4,7 +4,9 @@ that returns a view of its argument."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from graph_helpers import cpu_capture
 
 from bcg_core._patching import hook_attribute  # noqa: PLC2701
+from bcg_core.bench import main
 
 
 @pytest.fixture
@@ -115,3 +118,21 @@ def test_the_cuda_stream_hooks_keep_a_patch_made_over_them() -> None:
         assert vars(torch.cuda.Stream).get("__enter__") is enter
     finally:
         torch.cuda.set_stream = before
+
+
+def test_bench_json_records_the_runs_settings(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--smoke", "--repeats", "2", "--steps", "1", "break-overhead"]
+    assert main([*argv, "--skip", "nothing-such", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["settings"] == {
+        "device": "cpu",
+        "smoke": True,
+        "repeats": 2,
+        "steps": 1,
+        "skip": ["nothing-such"],
+        "workloads": ["break-overhead"],
+        "cases": {"break-overhead": list(dict.fromkeys(m["case"] for m in data["measurements"]))},
+    }
+    assert data["environment"]["torch"] == torch.__version__
+    assert data["environment"]["date"]

@@ -127,7 +127,15 @@ def bench(args: argparse.Namespace) -> int:
     title = f"bcg bench{' --smoke' if args.smoke else ''} on {device.type}"
     print_table(title, results)
     if args.json:
-        write_json(args.json, results)
+        settings = {
+            "device": str(device),
+            "smoke": args.smoke,
+            "repeats": repeats,
+            "steps": steps,
+            "skip": sorted(set(args.skip)),
+            "workloads": names,
+        }
+        write_json(args.json, results, settings)
         print(f"wrote {args.json}")
     if args.plot:
         if write_plot(args.plot, results):

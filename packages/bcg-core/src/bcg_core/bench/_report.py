@@ -151,8 +151,24 @@ def progress(total_hint: str) -> Iterator[Callable[[str], None]]:
         yield lambda message: bar.update(task, description=message)
 
 
-def write_json(path: Path, measurements: Sequence[Measurement]) -> None:
-    data = {"environment": environment(), "measurements": [m.as_dict() for m in measurements]}
+def write_json(
+    path: Path, measurements: Sequence[Measurement], settings: dict[str, Any] | None = None
+) -> None:
+    """Write ``{"environment", "settings", "measurements"}``: the machine (:func:`environment`),
+    the run's settings as given (the CLI's: device, smoke, repeats, steps, skip, workloads),
+    plus ``cases`` (each workload's cases as run, such as its batch sizes), and every figure."""
+    cases: dict[str, list[str]] = {}
+    for m in measurements:
+        workload = cases.setdefault(m.workload, [])
+        if m.case not in workload:
+            workload.append(m.case)
+    data = {
+        "environment": environment(),
+        # Without them a result file could not say what it measured (a --smoke run read as a
+        # full one).
+        "settings": {**(settings or {}), "cases": cases},
+        "measurements": [m.as_dict() for m in measurements],
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))
 
