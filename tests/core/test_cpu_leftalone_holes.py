@@ -13,6 +13,7 @@ import pytest
 import torch
 from graph_helpers import cpu_capture
 
+from bcg_core import BreakableGraphRunner
 from bcg_core._patching import hook_attribute  # noqa: PLC2701
 from bcg_core.bench import main
 
@@ -136,3 +137,35 @@ def test_bench_json_records_the_runs_settings(tmp_path: Path) -> None:
     }
     assert data["environment"]["torch"] == torch.__version__
     assert data["environment"]["date"]
+
+
+def _views_of(x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return x[1:], x.t(), x[:, 0], x.add_(1)[0], h * 2
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_a_returned_view_of_an_argument_is_that_view_of_the_caller_s_tensor(views: bool) -> None:
+    # Eager returns views of the argument; a replay returned clones of views of its static
+    # buffer (or, with return_views, the buffer's views): writes through them missed the
+    # caller's tensor.
+    runner = BreakableGraphRunner(_views_of, device="cpu", return_views=views)
+    for i in range(4):
+        x, h = torch.full((3, 2), float(i)), torch.ones(2)
+        got = runner.capture(x, h) if i == 0 else runner(x, h)
+        if i:  # (the capture ran the step 3 times: x.add_(1) advanced x that often)
+            assert torch.equal(x, torch.full((3, 2), i + 1.0))
+        expected = (x[1:], x.t(), x[:, 0], x[0])  # eager's views of the caller's tensor
+        for mine, eager in zip(got[:4], expected, strict=True):
+            assert mine.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+            assert mine.stride() == eager.stride()
+            assert mine.storage_offset() == eager.storage_offset()
+            assert torch.equal(mine, eager)
+        assert torch.equal(got[4], h * 2)
+        got[0].fill_(-1)  # reaches the caller's tensor, as eager
+        assert torch.equal(x[1:], torch.full((2, 2), -1.0))
+    assert runner.stats.hits == 3
+    # A non-contiguous argument (laid out unlike a contiguous buffer) is served right.
+    x = torch.arange(12.0).reshape(3, 4)[:, ::2]
+    got = runner(x, torch.ones(2))
+    for mine, eager in zip(got[:4], (x[1:], x.t(), x[:, 0], x[0]), strict=True):
+        assert torch.equal(mine, eager)

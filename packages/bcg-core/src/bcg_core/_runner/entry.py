@@ -31,6 +31,23 @@ def _cloner(output: Any, passed: frozenset[int]) -> Callable[[], Any]:
     return lambda: _trees.map_tensors(output, torch.Tensor.clone, keep=passed)
 
 
+# A view of a static buffer: its size, strides and storage offset from the buffer's start.
+_View = tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+def _view_in(t: torch.Tensor, buf: torch.Tensor) -> _View | None:
+    """``t`` as a view of ``buf``'s elements, or None: only of a contiguous buffer, in its dtype
+    and wholly within it (the same view of a caller's tensor laid out alike then holds the same
+    elements)."""
+    if t.dtype != buf.dtype or t.device != buf.device or not buf.is_contiguous():
+        return None
+    offset = int(t.storage_offset() - buf.storage_offset())
+    last = offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    if offset < 0 or last >= buf.numel():
+        return None
+    return tuple(t.shape), t.stride(), offset
+
+
 def _none_is_its_buffer(live: list[torch.Tensor], ptrs: tuple[int, ...]) -> bool:
     # A loop, not all(...) over a generator: this runs before every replay's first launch.
     for t, ptr in zip(live, ptrs, strict=True):  # noqa: SIM110
@@ -67,8 +84,9 @@ class Entry:
     ``overlap`` tells the calls whose written argument shares memory with another (they run
     eagerly). ``objects``: the dataclasses and plain objects of the capture's call (the graph
     and its breaks read them, not the ones a later call passes; see :meth:`stale_object`).
-    ``returned``: the output tensors that are static buffers (the step returned an argument),
-    by id, with the argument's index; the caller's tensor is returned there.
+    ``returned``: the output tensors that are static buffers or views of one (the step returned
+    an argument, or ``x[1:]``, ``x.t()`` of one), by id, with the argument's index and the view
+    (None: the buffer itself); the caller's tensor, or the same view of it, is returned there.
     ``output`` never requires grad (detached at capture): a replay serves
     inference, and autograd history from the capture would point at overwritten memory.
     """
@@ -101,7 +119,7 @@ class Entry:
     _few_copies: bool = field(init=False)
     _dst_ptrs: tuple[int, ...] = field(init=False)
     clone: Callable[[], Any] = field(init=False)
-    returned: dict[int, int] = field(init=False)
+    returned: dict[int, tuple[int, _View | None]] = field(init=False)
 
     def __post_init__(self) -> None:
         self._copy = tuple(i for i in range(len(self.statics)) if i not in self.fill)
@@ -114,8 +132,16 @@ class Entry:
         # Output tensors that are static buffers (the step returned its argument, `x.add_(1)`
         # returns x): by id, the argument's index; a call returns the caller's tensor there.
         ids = {id(t): i for i, t in enumerate(self.statics)}
-        leaves = _trees.tensor_leaves(self.output)
-        self.returned = {id(t): ids[id(t)] for t in leaves if id(t) in ids}
+        storages = {t.untyped_storage().data_ptr(): i for i, t in enumerate(self.statics)}
+        self.returned = {}
+        for t in _trees.tensor_leaves(self.output):
+            if id(t) in ids:
+                self.returned[id(t)] = (ids[id(t)], None)
+                continue
+            i = storages.get(t.untyped_storage().data_ptr()) if t.numel() else None
+            view = None if i is None else _view_in(t, self.statics[i])
+            if i is not None and view is not None:
+                self.returned[id(t)] = (i, view)
 
     def load(self, live: list[torch.Tensor], values: list[bool | int | float]) -> None:
         """Write one call's inputs into the static buffers."""
@@ -158,15 +184,30 @@ class Entry:
 
     def output_for(self, live: list[torch.Tensor], views: bool) -> Any:
         """The output of a call that passed ``live``, for an entry whose step returns an argument
-        (:attr:`returned`): the caller's tensor where the step returned it, as eager gives it
-        back (a clone of its buffer missed writes through the result); the other tensors cloned,
-        or the static ones with ``views``."""
-        returned = self.returned
+        or a view of one (:attr:`returned`): the caller's tensor where the step returned it, the
+        same view of it where it returned a view, as eager gives them back (a clone of the
+        buffer missed writes through the result); the other tensors cloned, or the static ones
+        with ``views``. A view is cloned too where the caller's tensor is not laid out as its
+        buffer (another device, a non-contiguous argument): no view of it holds the same
+        elements."""
+        returned, statics = self.returned, self.statics
 
         def leaf(t: torch.Tensor) -> torch.Tensor:
-            i = returned.get(id(t))
-            if i is not None:
-                return live[i]
+            found = returned.get(id(t))
+            if found is not None:
+                i, view = found
+                src = live[i]
+                if view is None:
+                    return src
+                buf = statics[i]
+                if (
+                    src.device == buf.device
+                    and src.dtype == buf.dtype
+                    and src.shape == buf.shape
+                    and src.is_contiguous()
+                ):
+                    size, stride, offset = view
+                    return src.as_strided(size, stride, src.storage_offset() + offset)
             return t if views else t.clone()
 
         return _trees.map_tensors(self.output, leaf, keep=self.passed)
