@@ -13,7 +13,7 @@ import pytest
 import torch
 from graph_helpers import cpu_capture
 
-from bcg_core import BreakableGraphRunner
+from bcg_core import BreakableGraphRunner, PatchHandle, patch_attribute
 from bcg_core._patching import hook_attribute  # noqa: PLC2701
 from bcg_core.bench import main
 
@@ -169,3 +169,40 @@ def test_a_returned_view_of_an_argument_is_that_view_of_the_caller_s_tensor(view
     got = runner(x, torch.ones(2))
     for mine, eager in zip(got[:4], (x[1:], x.t(), x[:, 0], x[0]), strict=True):
         assert torch.equal(mine, eager)
+
+
+def _tag(text: str) -> Callable[[Any], Any]:
+    def wrap(original: Any) -> Any:
+        return lambda *args: f"{text}({original(*args)})"
+
+    return wrap
+
+
+def test_a_wrap_raising_at_release_does_not_leave_the_handle_s_other_patches() -> None:
+    class _A:
+        def f(self) -> str:
+            return "A"
+
+    class _B:
+        def g(self) -> str:
+            return "B"
+
+    made = [0]
+
+    def flaky(original: Any) -> Any:
+        made[0] += 1
+        if made[0] == 2:  # recomposed when the handle below is released
+            raise ValueError("flaky wrap")
+        return _tag("fl")(original)
+
+    both = PatchHandle.patch_all([(_B, "g", _tag("w")), (_A, "f", _tag("w"))])
+    other = patch_attribute(_A, "f", flaky)
+    assert (_A().f(), _B().g()) == ("fl(w(A))", "w(B)")
+    with pytest.raises(ValueError, match="flaky wrap"):
+        both.remove()
+    assert _B().g() == "B"  # released although _A.f's recomposition raised first
+    assert "g" in vars(_B)
+    assert PatchHandle.count(_B, "g") == 0
+    other.remove()
+    assert _A().f() == "A"
+    assert PatchHandle.count(_A, "f") == 0

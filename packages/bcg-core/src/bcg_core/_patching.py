@@ -140,12 +140,22 @@ class PatchHandle(Removable):
         """Release every reference; an attribute whose last reference goes is restored.
 
         Removing again does nothing. An attribute that other code replaced after bcg patched
-        it is left as it is, with a warning.
+        it is left as it is, with a warning. A wrap that raises while an attribute is
+        recomposed does not stop the release of the others: every reference is released, then
+        the first such error is raised.
         """
+        error: BaseException | None = None
         with _lock:
             refs, self._refs = self._refs, []
             for slot, wrap in reversed(refs):
-                _release(slot, wrap)
+                # (One raising left the handle's other attributes patched for good: the handle
+                # was already empty, so nothing could release them.)
+                try:
+                    _release(slot, wrap)
+                except BaseException as exc:  # raised below, after the others
+                    error = error or exc
+        if error is not None:
+            raise error
 
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
