@@ -271,8 +271,8 @@ def patch_attribute(target: Any, name: str, wrap: Wrap) -> PatchHandle:
 
 
 def hook_attribute(target: Any, name: str, make: Wrap) -> Callable[[], None]:
-    """Set ``target.name`` (a module or class attribute) to ``make(current)`` and return the
-    function that removes it again.
+    """Set ``target.name`` (a module's function or a class's plain method: the hook is set as
+    a plain function) to ``make(current)`` and return the function that removes it again.
 
     Removal restores what ``target`` held only while the attribute is still this hook. When
     other code patched it since (wrapping the hook), restoring would drop that patch: the hook
