@@ -155,6 +155,7 @@ _dead: list[int] = []
 
 def _forget(fid: int) -> None:
     _functions.pop(fid, None)
+    _changes_containers.discard(fid)
     for key in [k for k, layout in _layouts.items() if layout.function == fid]:
         del _layouts[key]
     for site in [s for s, key in _sites.items() if key not in _layouts]:
@@ -174,11 +175,16 @@ def _registered(fid: int) -> tuple[Callable[..., Any], Callable[..., Any], str]:
     return (*functions, entry.name)
 
 
-def traceable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether an opaque call can take these arguments (read by dynamo at trace time). Not
-    when grad mode is on and a tensor argument requires grad: the op has no autograd formula
-    (AOTAutograd failed the compile with "Trying to backward through bcg.opaque.default"), so
-    that call is a dynamo graph break, and autograd runs through the eager break."""
+def traceable(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an opaque call of registered ``function_id`` can take these arguments (read by
+    dynamo at trace time). Not when grad mode is on and a tensor argument requires grad: the
+    op has no autograd formula (AOTAutograd failed the compile with "Trying to backward
+    through bcg.opaque.default"), so that call is a dynamo graph break, and autograd runs
+    through the eager break. Nor once a traced call of the function changed a container
+    argument (:func:`_refuse_changed_containers`): its calls are graph breaks, which pass the
+    caller's containers."""
+    if function_id in _changes_containers:
+        return False
     leaves = pytree.tree_leaves((args, kwargs))
     kinds = (torch.Tensor, *CONSTANT_TYPES)
     if not all(leaf is None or isinstance(leaf, kinds) for leaf in leaves):
@@ -308,6 +314,11 @@ def _apply(
         # Dynamo traces this body only when running it on fake tensors failed (a break that
         # reads values, with no capture_stub; torch 2.11 then inlines it, and the half-traced
         # call could not work): the call becomes a dynamo graph break, an ordinary break call.
+        if function_id in _changes_containers:
+            # The dry run found it changes a container: the call below would change copies
+            # (dynamo rebuilds the boxed ones). Raising makes dynamo leave the frame eager,
+            # where traceable() now sends the call to the graph break with the caller's.
+            raise _container_refusal(_registered(function_id)[2])
         out = _eager(_registered(function_id)[0], *_unbox((args, kwargs)))
         return _box(out), 0
     # A break passed into the compiled frame (an argument, a closure) has its id read from
@@ -440,6 +451,37 @@ def _refuse_overlaps(fid: int, tensors: list[torch.Tensor], mutated: tuple[int, 
                 )
 
 
+# Ids of the functions whose traced call changed a container argument (see traceable()).
+_changes_containers: set[int] = set()
+
+
+def _refuse_changed_containers(
+    fid: int, name: str, call: Any, leaves: list[Any], spec: pytree.TreeSpec
+) -> None:
+    """A compiled break gets copies of its list and dict arguments (the op rebuilds the call
+    from a layout), so a change it makes to one (an append, a key set) never reached the
+    caller's, and the code after it read the traced, unchanged one: refused where the call is
+    traced, seen in the dry run (a capture_stub must make such changes too)."""
+    after, after_spec = pytree.tree_flatten(call)
+    if after_spec == spec and all(a is b for a, b in zip(after, leaves, strict=True)):
+        return
+    _changes_containers.add(fid)
+    raise _container_refusal(name)
+
+
+def _container_refusal(name: str) -> Exception:
+    return _refusal(
+        name,
+        f"bcg: break {name!r} changes a list or dict it takes as an argument (an append, an "
+        "item set); under torch.compile a break is an op that gets copies of its containers, "
+        "so the change would not reach the caller's, and the compiled code after it would read "
+        "the traced, unchanged one. So under torch.compile its calls are dynamo graph breaks "
+        "(fullgraph=True fails), which pass the caller's containers. To make it one opaque "
+        "op, return the new values from the break instead.",
+        ValueError,
+    )
+
+
 def _written_tensors(
     function_id: int,
     flat: list[Any],
@@ -459,14 +501,14 @@ def _written_tensors(
         ]
     versions = [c._version for c in copies]
     it = iter(copies)
-    args, kwargs = pytree.tree_unflatten(
-        [next(it) if isinstance(x, torch.Tensor) else x for x in flat], spec
-    )
+    leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in flat]
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
     try:
         with _autocast(amp):
             out = fake(*args, **kwargs)
     except Exception as exc:
         raise _unfakeable(name, exc) from exc
+    _refuse_changed_containers(function_id, name, (args, kwargs), leaves, spec)
     if torch.is_grad_enabled() and any(t.requires_grad for t in _trees.tensor_leaves(out)):
         # The op has no backward: its output would require no grad, and the parameter the
         # break uses got no gradient, silently (or backward() failed).
