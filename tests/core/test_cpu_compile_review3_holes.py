@@ -88,3 +88,25 @@ def test_a_break_taking_a_list_it_does_not_change_stays_one_op_with_fullgraph() 
     x = torch.randn(3)
     assert torch.equal(compiled(x), step(x))
     assert counter.frame_count == 1
+
+
+@eager_on_graph(name="c3.collect_values")
+def _collect_values(x: torch.Tensor, store: list[torch.Tensor]) -> torch.Tensor:
+    if x.sum().item() > -1e9:  # reads a value: cannot run on fake tensors
+        store.append(x * 2)
+    return x + 1
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_break_that_reads_values_and_changes_a_list_changes_the_callers(backend: str) -> None:
+    # Such a break is a dynamo graph break, but its fallback got dynamo's rebuilt copies of
+    # the containers: the append was lost and len(store) read 0, silently.
+    torch._dynamo.reset()
+    step = _uses_collect(_collect_values)
+    compiled = torch.compile(step, backend=backend)
+    for _ in range(2):
+        x = torch.randn(3)
+        got_store: list[torch.Tensor] = []
+        want_store: list[torch.Tensor] = []
+        assert torch.equal(compiled(x, got_store), step(x, want_store))
+        assert len(got_store) == len(want_store) == 1
