@@ -177,7 +177,7 @@ def eager_on_graph(
             if _is_compiling():  # dynamo folds this to True while tracing; False at run time
                 if not enable:
                     return f(*args, **kwargs)
-                if opaque.traceable(args, kwargs):
+                if opaque.traceable(opaque_id, args, kwargs):
                     return opaque.call(opaque_id, args, kwargs)
                 return graph_broken(*args, **kwargs)
             return run(*args, **kwargs)

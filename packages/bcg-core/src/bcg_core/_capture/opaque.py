@@ -155,6 +155,7 @@ _dead: list[int] = []
 
 def _forget(fid: int) -> None:
     _functions.pop(fid, None)
+    _broken.pop(fid, None)
     for key in [k for k, layout in _layouts.items() if layout.function == fid]:
         del _layouts[key]
     for site in [s for s, key in _sites.items() if key not in _layouts]:
@@ -174,11 +175,15 @@ def _registered(fid: int) -> tuple[Callable[..., Any], Callable[..., Any], str]:
     return (*functions, entry.name)
 
 
-def traceable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether an opaque call can take these arguments (read by dynamo at trace time). Not
-    when grad mode is on and a tensor argument requires grad: the op has no autograd formula
-    (AOTAutograd failed the compile with "Trying to backward through bcg.opaque.default"), so
-    that call is a dynamo graph break, and autograd runs through the eager break."""
+def traceable(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an opaque call of registered ``function_id`` can take these arguments (read by
+    dynamo at trace time). Not when grad mode is on and a tensor argument requires grad: the
+    op has no autograd formula (AOTAutograd failed the compile with "Trying to backward
+    through bcg.opaque.default"), so that call is a dynamo graph break, and autograd runs
+    through the eager break. Nor once a traced call of the function changed a container
+    argument, or failed on fake tensors with one (see :data:`_broken`)."""
+    if function_id in _broken:
+        return False
     leaves = pytree.tree_leaves((args, kwargs))
     kinds = (torch.Tensor, *CONSTANT_TYPES)
     if not all(leaf is None or isinstance(leaf, kinds) for leaf in leaves):
@@ -308,6 +313,11 @@ def _apply(
         # Dynamo traces this body only when running it on fake tensors failed (a break that
         # reads values, with no capture_stub; torch 2.11 then inlines it, and the half-traced
         # call could not work): the call becomes a dynamo graph break, an ordinary break call.
+        if function_id in _broken:
+            # The call below would get dynamo's rebuilt copies of the containers (a change to
+            # one was lost): raising makes dynamo run the frame again, where traceable() sends
+            # the call to the graph break with the caller's.
+            raise RuntimeError(_broken[function_id])
         out = _eager(_registered(function_id)[0], *_unbox((args, kwargs)))
         return _box(out), 0
     # A break passed into the compiled frame (an argument, a closure) has its id read from
@@ -381,16 +391,22 @@ def _call(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
 _eager = torch._disable_dynamo(_call)  # type: ignore[attr-defined]
 
 
-def _refusal(name: str, message: str, kind: type[Exception]) -> Exception:
+def _refusal(
+    name: str, message: str, kind: type[Exception], broken: int | None = None
+) -> Exception:
     """An error raised where dynamo runs a call on fake tensors, logged once per break and
-    kind: dynamo reports its own error (with this one as the cause) or graph-breaks."""
+    kind: dynamo reports its own error (with this one as the cause) or graph-breaks. Given
+    ``broken`` (a function id), that function's calls are graph breaks from now on."""
     if first_time((kind, name)):
         logger.warning(message)
+    if broken is not None:
+        _broken[broken] = message
     return kind(message)
 
 
-def _unfakeable(name: str, exc: Exception) -> Exception:
-    """The error for a function that cannot run on fake tensors."""
+def _unfakeable(name: str, exc: Exception, broken: int | None = None) -> Exception:
+    """The error for a function that cannot run on fake tensors (``broken``: see
+    :func:`_refusal`)."""
     message = (
         f"bcg: break {name} cannot run on fake tensors, which torch.compile needs to know its "
         f"outputs ({type(exc).__name__}: {exc}), so under torch.compile it is a dynamo graph "
@@ -399,7 +415,7 @@ def _unfakeable(name: str, exc: Exception) -> Exception:
         "opaque op in one graph, give the break a capture_stub that computes outputs of the "
         "same structure, shapes and dtypes without reading values."
     )
-    return _refusal(name, message, TypeError)
+    return _refusal(name, message, TypeError, broken)
 
 
 def _layout_for(
@@ -440,6 +456,46 @@ def _refuse_overlaps(fid: int, tensors: list[torch.Tensor], mutated: tuple[int, 
                 )
 
 
+# Ids of the functions whose calls are dynamo graph breaks with the caller's arguments, and
+# why: a traced call changed a list or dict argument, or failed on fake tensors with one (its
+# fallback in _apply got copies of the containers; a change to them was lost, silently).
+_broken: dict[int, str] = {}
+
+
+def _refuse_changed_containers(
+    fid: int, name: str, call: Any, leaves: list[Any], spec: pytree.TreeSpec
+) -> None:
+    """A compiled break gets copies of its list and dict arguments (the op rebuilds the call
+    from a layout), so a change it makes to one (an append, a key set) never reached the
+    caller's, and the code after it read the traced, unchanged one: refused where the call is
+    traced, seen in the dry run (a capture_stub must make such changes too)."""
+    after, after_spec = pytree.tree_flatten(call)
+    if after_spec == spec and all(a is b for a, b in zip(after, leaves, strict=True)):
+        return
+    raise _refusal(
+        name,
+        f"bcg: break {name!r} changes a list or dict it takes as an argument (an append, an "
+        "item set); under torch.compile a break is an op that gets copies of its containers, "
+        "so the change would not reach the caller's, and the compiled code after it would read "
+        "the traced, unchanged one. So under torch.compile its calls are dynamo graph breaks "
+        "(fullgraph=True fails), which pass the caller's containers. To make it one opaque "
+        "op, return the new values from the break instead.",
+        ValueError,
+        fid,
+    )
+
+
+def _takes_containers(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the call takes a list or a dict (one a break could change)."""
+
+    def holds(x: Any) -> bool:
+        if isinstance(x, (list, dict)):
+            return True
+        return isinstance(x, tuple) and any(holds(v) for v in x)
+
+    return holds(args) or any(holds(v) for v in kwargs.values())
+
+
 def _written_tensors(
     function_id: int,
     flat: list[Any],
@@ -459,14 +515,17 @@ def _written_tensors(
         ]
     versions = [c._version for c in copies]
     it = iter(copies)
-    args, kwargs = pytree.tree_unflatten(
-        [next(it) if isinstance(x, torch.Tensor) else x for x in flat], spec
-    )
+    leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in flat]
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
     try:
         with _autocast(amp):
             out = fake(*args, **kwargs)
     except Exception as exc:
-        raise _unfakeable(name, exc) from exc
+        # Its graph break gets copies of list and dict arguments: one with those is a graph
+        # break with the caller's arguments (a change the break makes to them was lost).
+        broken = function_id if _takes_containers(args, kwargs) else None
+        raise _unfakeable(name, exc, broken) from exc
+    _refuse_changed_containers(function_id, name, (args, kwargs), leaves, spec)
     if torch.is_grad_enabled() and any(t.requires_grad for t in _trees.tensor_leaves(out)):
         # The op has no backward: its output would require no grad, and the parameter the
         # break uses got no gradient, silently (or backward() failed).
