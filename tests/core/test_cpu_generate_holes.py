@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 import torch
 
+import bcg_core
 from bcg_core import BreakableGraphRunner
 
 transformers = pytest.importorskip(
     "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
 )
-from test_cpu_transformers import _windowed, saved_cache  # noqa: E402, PLC2701
+from test_cpu_transformers import _model, _windowed, saved_cache  # noqa: E402, PLC2701
 
 
 def graphed_forward(model: Any) -> BreakableGraphRunner:
@@ -84,3 +85,74 @@ def test_generate_with_a_sliding_window_cache_as_an_argument_replays(family: str
     assert not runner.blocked_signatures, list(runner.blocked_signatures.values())
     assert runner.stats.misses == 0
     assert runner.stats.hits == 2 * 19  # every decode step of both requests
+
+
+def closure_graphed(model: Any, cache: Any) -> BreakableGraphRunner:
+    """The README's recipe inside ``generate``: a runner over a step that closes over
+    ``cache``, captured at the first decode step (the cache saved and put back around it);
+    ``model``'s one-token forwards on that cache replay it."""
+    forward = model.forward
+
+    def step(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out = forward(
+            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+            logits_to_keep=1,
+        )  # fmt: skip
+        logits: torch.Tensor = out.logits
+        return logits
+
+    runner = BreakableGraphRunner(step, device="cpu", warmup_iters=1)
+
+    @functools.wraps(forward)
+    def decode(*args: Any, **kwargs: Any) -> Any:
+        if kwargs["input_ids"].shape[1] != 1 or kwargs["past_key_values"] is not cache:
+            return forward(*args, **kwargs)
+        call = (kwargs["input_ids"], kwargs["attention_mask"])
+        if not runner.stats.entries:
+            restore = saved_cache(cache)
+            runner.capture(*call)
+            restore()
+        logits = runner(*call)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(
+            logits=logits, past_key_values=cache
+        )
+
+    model.forward = decode
+    return runner
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_beam_search_through_a_graph_over_a_static_cache_equals_plain_generate(
+    family: str,
+) -> None:
+    """``generate(num_beams=3)`` reorders the StaticCache after every step, and transformers'
+    ``StaticLayer.reorder_cache`` rebinds ``layer.keys``/``values`` to new tensors: the graph,
+    captured over the old ones, attended to a stale cache at every later replay, silently
+    (beams and scores differed from plain generate). The reorder now writes its result back into
+    the cache's own tensors, so replays equal plain generate; a cache passed to a runner as an
+    argument (a miss at every step, the rebound tensor's new address) replays too."""
+    prompt = torch.randint(4, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    name = bcg_core.breakable_attention("sdpa")
+    results = []
+    for graphs in ("", "closure", "argument"):
+        model = _windowed(family) if family == "gemma3" else _model(family, name)
+        cache = transformers.StaticCache(config=model.config, max_cache_len=48)
+        runner = None
+        if graphs == "closure":
+            runner = closure_graphed(model, cache)
+        elif graphs == "argument":
+            runner = graphed_forward(model)
+        with torch.no_grad():
+            out = model.generate(
+                prompt, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, num_beams=3,
+                do_sample=False, output_scores=True, return_dict_in_generate=True,
+                pad_token_id=0, eos_token_id=None,
+            )  # fmt: skip
+        results.append((out, runner))
+    (want, _), *graphed = results
+    for got, runner in graphed:
+        assert torch.equal(got.sequences, want.sequences)
+        for a, b in zip(got.scores, want.scores, strict=True):
+            assert torch.equal(a, b)
+        assert runner is not None
+        assert (runner.stats.hits, runner.stats.misses) == (11, 0)
