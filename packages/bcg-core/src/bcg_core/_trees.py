@@ -24,6 +24,7 @@ What is a node (its children are walked), in this order:
    a shallow copy with the new attribute values; an object whose children all come back
    unchanged is returned as itself (so user objects keep their identity unless a tensor
    inside them was replaced). An object met again lower in its own tree (a cycle) is a leaf.
+   Attributes an integration leaves unwalked (:func:`leave_unwalked`) are no children.
 
 Everything else is a leaf. The :class:`TreeSpec` of a structure records each node's type and
 its *context*: dict keys, field or attribute names, named-tuple fields, a list's length. Two
@@ -159,6 +160,20 @@ def _attributes(obj: Any) -> dict[str, Any]:
     return attrs
 
 
+# Attributes not walked, by exact class: state that the class's methods, patched by an
+# integration, read live at every replay (a break), so one graph serves every value; keyed, each
+# new value was another signature, a miss (see leave_unwalked).
+_UNWALKED: dict[type, frozenset[str]] = {}
+
+
+def leave_unwalked(cls: type, names: Iterable[str]) -> None:
+    """Never walk the attributes ``names`` of objects of exactly ``cls``: they are no leaves,
+    so no part of a signature (a rebuilt object keeps them, as a shallow copy). Only for state
+    that every replay reads afresh through a break (a sliding cache layer's Python int
+    position, ``_integrations/sliding_window.py``)."""
+    _UNWALKED[cls] = _UNWALKED.get(cls, frozenset()) | frozenset(names)
+
+
 def _children(obj: Any, kind: str) -> tuple[list[Any], Any]:
     if kind == _PYTREE:
         node_type = pytree._get_node_type(obj)
@@ -181,6 +196,8 @@ def _children(obj: Any, kind: str) -> tuple[list[Any], Any]:
             attrs.setdefault(name, value)
     else:
         attrs = _attributes(obj)
+    if _UNWALKED and (unwalked := _UNWALKED.get(type(obj))) is not None:
+        attrs = {name: value for name, value in attrs.items() if name not in unwalked}
     return list(attrs.values()), tuple(attrs)
 
 

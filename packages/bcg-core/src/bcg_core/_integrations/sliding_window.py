@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bcg_core import _trees
 from bcg_core._capture.breaks import eager_on_graph
 from bcg_core._capture.context import active_capture
 from bcg_core._capture.flag import is_in_breakable_cuda_graph
@@ -81,6 +82,10 @@ def install() -> None:
                     ]
                 )
             )
+            # A cache passed to a runner (generate() hands model.forward its cache): the int
+            # moves every step and the breaks read it at every replay, so it is no part of the
+            # signature (keyed, every decode step after the capture was a miss, run eagerly).
+            _trees.leave_unwalked(StaticSlidingWindowLayer, ("cumulative_length_int",))
 
 
 def took_last_update() -> bool:

@@ -32,7 +32,7 @@ from bcg_core._capture.breaks import breaks_observed, eager_on_graph
 from bcg_core._capture.context import is_breakable_capture_active
 from bcg_core._capture.flag import is_in_breakable_cuda_graph
 from bcg_core._errors import CaptureError
-from bcg_core._integrations import dynamic_cache, sliding_window
+from bcg_core._integrations import dynamic_cache, sliding_window, static_cache
 
 logger = logging.getLogger("bcg_core")
 
@@ -75,6 +75,8 @@ def breakable_attention(base: str = "sdpa") -> str:
     :class:`CaptureError`, and so does capturing the update of a ``DynamicCache`` layer made
     before the capture, in any model (its ``torch.cat`` growth would replay the capture's
     context; see ``dynamic_cache.py``).
+    A ``StaticCache`` reordered for beam search (``StaticLayer.reorder_cache``) is reordered
+    in place, so a graph over it reads the reordered cache (see ``static_cache.py``).
 
     Args:
         base: the implementation to wrap (default ``"sdpa"``), optionally with the ``paged|``
@@ -101,6 +103,7 @@ def breakable_attention(base: str = "sdpa") -> str:
     attention_interface, mask_interface = _interfaces()
     sliding_window.install()
     dynamic_cache.install()
+    static_cache.install()
     paged = base.startswith(_PAGED)
     plain = base.removeprefix(_PAGED)
     if plain.startswith(PREFIX):
