@@ -400,7 +400,8 @@ def _refusal(
     if first_time((kind, name)):
         logger.warning(message)
     if broken is not None:
-        _broken[broken] = message
+        with _lock:
+            _broken[broken] = message
     return kind(message)
 
 
