@@ -9,7 +9,11 @@ from __future__ import annotations
 import torch
 
 from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
     BreakableGraphRunner,
+    eager_on_graph,
+    enable_breakable_cuda_graph,
 )
 
 # -- minimized regressions -------------------------------------------------------------------
@@ -46,3 +50,21 @@ def test_an_expanded_argument_the_capture_writes_is_served_eagerly() -> None:
     y = torch.zeros(2)
     runner.capture(y)  # the signature is not blocked: dense tensors capture
     assert runner.stats.captures == 1
+
+
+@eager_on_graph
+def _and_its_tail(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y = x + 1
+    return y, y[1:]  # empty for one row
+
+
+def test_a_break_returning_an_empty_view_of_its_output_replays() -> None:
+    x = torch.zeros(1, 3)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        y, tail = _and_its_tail(x)
+        out = y * 2
+    x.fill_(5)
+    graph.replay()  # raised BreakOutputError: the empty view's data_ptr() is 0
+    assert torch.equal(out, torch.full((1, 3), 12.0))
+    assert tail.shape == (0, 3)
