@@ -68,3 +68,30 @@ def test_a_break_returning_an_empty_view_of_its_output_replays() -> None:
     graph.replay()  # raised BreakOutputError: the empty view's data_ptr() is 0
     assert torch.equal(out, torch.full((1, 3), 12.0))
     assert tail.shape == (0, 3)
+
+
+def _set_through_reshape(x: torch.Tensor) -> torch.Tensor:
+    x.reshape(-1)[..., :1] = 7
+    return x + 1
+
+
+def test_an_argument_written_through_a_reshape_in_inference_mode_is_copied_back() -> None:
+    with torch.inference_mode():
+        runner = BreakableGraphRunner(_set_through_reshape, device="cpu")
+        runner.capture(torch.zeros(2))
+        x = torch.zeros(2)
+        out = runner(x)
+    assert runner.stats.hits == 1
+    assert torch.equal(out, torch.tensor([8.0, 1.0]))
+    assert torch.equal(x, torch.tensor([7.0, 0.0]))  # was left [0, 0]: the write was not seen
+
+
+def test_a_write_through_a_reshape_in_inference_mode_bumps_the_version() -> None:
+    with torch.inference_mode(False):
+        s = torch.zeros(2)
+    with torch.inference_mode():
+        graph = BreakableCUDAGraph(backend="cpu")
+        with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+            before = s._version
+            _set_through_reshape(s)
+        assert s._version != before  # as on CUDA, where no dispatch mode records the ops
