@@ -6,6 +6,8 @@ run of the fuzzer is kept here, with the minimized regressions."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from bcg_core import (
@@ -95,3 +97,15 @@ def test_a_write_through_a_reshape_in_inference_mode_bumps_the_version() -> None
             before = s._version
             _set_through_reshape(s)
         assert s._version != before  # as on CUDA, where no dispatch mode records the ops
+
+
+def test_a_vector_matmul_in_inference_mode_captures_without_a_warning() -> None:
+    v, m = torch.randn(4), torch.randn(4, 3)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "output ... was resized" (eager warns nothing)
+        with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+            out = v @ m
+        v.copy_(torch.randn(4))
+        graph.replay()
+    assert torch.equal(out, v @ m)
