@@ -402,7 +402,9 @@ def _shared_memory(meta: list[Any], arguments: Any) -> tuple[frozenset[int], tup
     by_storage: dict[int, list[int]] = {}
     for i, m in enumerate(meta):
         ptr = m[0].untyped_storage().data_ptr()
-        if ptr:  # an empty storage shares nothing
+        # An empty storage shares nothing, nor does an empty tensor (`y[1:]` of one row), whose
+        # data_ptr() is 0: its offset from the group's first tensor changed at every replay.
+        if ptr and m[0].numel():
             by_storage.setdefault(ptr, []).append(i)
     groups = []
     for members in by_storage.values():

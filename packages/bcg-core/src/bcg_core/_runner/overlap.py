@@ -61,10 +61,20 @@ class OverlapCheck:
 
     def find(self, live: list[torch.Tensor]) -> tuple[int, int] | None:
         """``(i, j)``: written argument ``i`` may share memory with argument ``j`` (``j >=
-        len(live)``: with inside tensor ``j - len(live)``); None when it shares none."""
+        len(live)``: with inside tensor ``j - len(live)``; ``j == i``: with itself, expanded);
+        None when it shares none."""
         written = self._written
         if not written:
             return None
+        for i in written:
+            # An expanded argument (stride 0 along a dimension of 2 or more) has several
+            # elements at one address: its dense buffer cannot show eager's write through all of
+            # them, nor take it back (copy_ into it raised torch's raw "more than one element").
+            t = live[i]
+            if 0 in t.stride() and any(
+                s == 0 and n > 1 for n, s in zip(t.shape, t.stride(), strict=True)
+            ):
+                return (i, i)
         storages = [t.untyped_storage().data_ptr() for t in live]
         mine = {storages[i] for i in written}
         members = [j for j, s in enumerate(storages) if s in mine]  # on a written storage

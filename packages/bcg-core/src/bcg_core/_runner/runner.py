@@ -917,9 +917,14 @@ class BreakableGraphRunner:
             other = inside[j - len(live)]
         else:
             other = "the static output an earlier call returned (return_views=True)"
+        shared = (
+            f"{paths[i]} of this call is expanded (several of its elements at one address)"
+            if j == i
+            else f"{paths[i]} and {other} of this call share memory"
+        )
         self._misses.refused(
             "overlap",
-            f"{paths[i]} and {other} of this call share memory and the captured step writes "
+            f"{shared} and the captured step writes "
             f"{paths[i]} in place; the runner copies each argument into a buffer of its own, "
             "so such calls run eagerly: pass tensors that do not overlap (clone one) to replay "
             "the graph",
