@@ -40,24 +40,36 @@ def _counting(calls: list[Any]) -> Callable[[Any], Any]:
 def test_a_patch_made_over_the_cpu_hooks_during_a_capture_survives_their_removal() -> None:
     calls: list[Any] = []
     theirs: list[Any] = []
+    under: list[Any] = []
+    original = torch.manual_seed
 
     def step() -> torch.Tensor:
         # Another library patches torch.manual_seed while bcg's capture hooks are installed.
+        under.append(torch.manual_seed)
         torch.manual_seed = _counting(calls)(torch.manual_seed)
         theirs.append(torch.manual_seed)
         return torch.ones(2) * 2
 
-    cpu_capture(step)
-    # Restoring the saved original dropped their patch.
-    assert torch.manual_seed is theirs[0]
-    torch.manual_seed(5)  # theirs, then bcg's old hook, now only forwarding
-    assert calls == [5]
-    assert torch.default_generator.initial_seed() == 5
-    # A later capture installs the hooks again, over their patch: a reseed is still refused.
-    with pytest.raises(Exception, match="reseeds the generator"):
-        cpu_capture(lambda: torch.manual_seed(6))
-    assert torch.manual_seed is theirs[0]
-    assert torch.default_generator.initial_seed() == 5
+    try:
+        cpu_capture(step)
+        # Restoring the saved original dropped their patch.
+        assert torch.manual_seed is theirs[0]
+        torch.manual_seed(5)  # theirs, then bcg's old hook, now only forwarding
+        assert calls == [5]
+        assert torch.default_generator.initial_seed() == 5
+        # A later capture installs the hooks again, over their patch: a reseed is still refused.
+        with pytest.raises(Exception, match="reseeds the generator"):
+            cpu_capture(lambda: torch.manual_seed(6))
+        assert torch.manual_seed is theirs[0]
+        assert torch.default_generator.initial_seed() == 5
+        # They undo their patch, putting bcg's pass-through back on top: the next capture's
+        # hooks restore torch's own function, as if nobody had patched it.
+        torch.manual_seed = under[0]
+        assert torch.manual_seed is not original
+        cpu_capture(lambda: torch.ones(1) + 1)
+        assert torch.manual_seed is original is torch.random.manual_seed
+    finally:
+        torch.manual_seed = original
 
 
 class _Target:

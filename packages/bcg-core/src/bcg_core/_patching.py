@@ -277,7 +277,10 @@ def hook_attribute(target: Any, name: str, make: Wrap) -> Callable[[], None]:
     Removal restores what ``target`` held only while the attribute is still this hook. When
     other code patched it since (wrapping the hook), restoring would drop that patch: the hook
     stays under it instead, turned into a pass-through to what it wrapped, so the other patch
-    keeps working, and a later hook simply wraps it. Removing twice does nothing more.
+    keeps working, and a later hook simply wraps it. If the other code later undoes its patch,
+    putting the pass-through back on top, the next ``hook_attribute`` of the attribute first
+    restores what the pass-through wrapped (it would otherwise stay for good). Removing twice
+    does nothing more.
 
     Args:
         target: the module or class.
@@ -287,6 +290,8 @@ def hook_attribute(target: Any, name: str, make: Wrap) -> Callable[[], None]:
     Returns:
         The remover (call it once the hook is no longer wanted).
     """
+    while (retired := getattr(vars(target).get(name), "_bcg_unhook", None)) is not None:
+        retired()
     own = vars(target).get(name, _ABSENT)
     current = getattr(target, name)
     hooked = make(current)
@@ -300,16 +305,20 @@ def hook_attribute(target: Any, name: str, make: Wrap) -> Callable[[], None]:
             setattr(hook, attr, getattr(hooked, attr))
     setattr(target, name, hook)
 
-    def remove() -> None:
-        if not active[0]:
-            return
-        active[0] = False
+    def restore() -> None:
         if vars(target).get(name, _ABSENT) is not hook:
-            return  # patched over since: left in place as a pass-through (see above)
+            return  # patched over: left in place as a pass-through (see above)
         if own is _ABSENT:
             delattr(target, name)
         else:
             setattr(target, name, own)
+
+    def remove() -> None:
+        if not active[0]:
+            return
+        active[0] = False
+        restore()
+        hook._bcg_unhook = restore  # type: ignore[attr-defined]
 
     return remove
 
