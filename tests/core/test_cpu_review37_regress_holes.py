@@ -1,0 +1,60 @@
+"""Regressions found reviewing the changes merged on top of dea02dc (hook_attribute, returned
+views, StaticCache reorder, leave_unwalked, ...), on the CPU graph backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import bcg_core
+from bcg_core import BreakableGraphRunner
+
+transformers = pytest.importorskip(
+    "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
+)
+from transformers import cache_utils  # noqa: E402
+
+
+def _read_keys(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    return x + layer.keys.sum()
+
+
+def test_a_hybrid_sliding_layer_s_position_is_no_part_of_the_signature() -> None:
+    # transformers' hybrid (linear attention + sliding window) layer is a subclass of
+    # StaticSlidingWindowLayer: it runs the patched update, which reads cumulative_length_int
+    # at every replay, yet leave_unwalked took the exact class only, so the int moving every
+    # decode step keyed a new signature each time (every step a miss, run eagerly).
+    bcg_core.breakable_attention()  # installs the sliding-window patch
+    layer = cache_utils.LinearAttentionAndStaticSlidingWindowAttentionLayer(
+        max_cache_len=8, sliding_window=4
+    )
+    layer.lazy_initialization(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+    runner = BreakableGraphRunner(_read_keys, device="cpu")
+    runner.capture(layer, torch.zeros(2))
+    for step in range(1, 4):
+        layer.cumulative_length_int = step
+        layer.keys.fill_(step)
+        expected = _read_keys(layer, torch.zeros(2))
+        assert torch.equal(runner(layer, torch.zeros(2)), expected)
+    assert runner.stats.hits == 3
+    assert runner.stats.misses == 0
+
+
+def test_a_static_indexed_layer_is_reordered_in_place() -> None:
+    # StaticIndexedLayer (DeepSeek V3.2 / GLM DSA sparse attention) overrides reorder_cache: it
+    # calls StaticLayer's (patched: keys and values kept in place), then rebinds indexer_keys to
+    # index_select's new tensor, so a graph over the cache read a stale indexer cache after
+    # the first beam reorder, silently.
+    bcg_core.breakable_attention()  # installs the reorder patch
+    layer = cache_utils.StaticIndexedLayer(max_cache_len=4)
+    kv = torch.arange(2 * 1 * 2 * 3, dtype=torch.float32).reshape(2, 1, 2, 3)
+    layer.update(kv, kv.clone())
+    layer.update_indexer(torch.arange(2 * 2 * 3, dtype=torch.float32).reshape(2, 2, 3))
+    held = {name: getattr(layer, name) for name in ("keys", "values", "indexer_keys")}
+    expected = {name: t.flip(0) for name, t in held.items()}
+    layer.reorder_cache(torch.tensor([1, 0]))
+    for name, t in held.items():
+        assert getattr(layer, name) is t, name  # the captured tensor, at its address
+        assert torch.equal(t, expected[name]), name
