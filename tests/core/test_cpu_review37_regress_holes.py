@@ -58,3 +58,29 @@ def test_a_static_indexed_layer_is_reordered_in_place() -> None:
     for name, t in held.items():
         assert getattr(layer, name) is t, name  # the captured tensor, at its address
         assert torch.equal(t, expected[name]), name
+
+
+def _dtype_views(x: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.view(torch.int32)[1:], torch.view_as_real(z)
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_a_returned_view_in_another_dtype_is_that_view_of_the_caller_s_tensor(views: bool) -> None:
+    # x.view(torch.int32) and view_as_real(z) are views of the argument, as x[1:] is, yet a
+    # replay returned clones of them (the dtype differed from the buffer's): writes through
+    # them missed the caller's tensor, unlike eager, with the caller's tensor laid out as its
+    # buffer (the Runner docstring's condition).
+    runner = BreakableGraphRunner(_dtype_views, device="cpu", return_views=views)
+    runner.capture(torch.zeros(4)[1:], torch.zeros(2, dtype=torch.complex64))
+    x, z = torch.arange(4.0)[1:], torch.ones(2, dtype=torch.complex64)
+    got = runner(x, z)
+    assert runner.stats.hits == 1
+    for mine, eager in zip(got, _dtype_views(x, z), strict=True):
+        assert mine.untyped_storage().data_ptr() == eager.untyped_storage().data_ptr()
+        assert (mine.dtype, mine.stride()) == (eager.dtype, eager.stride())
+        assert mine.storage_offset() == eager.storage_offset()
+        assert torch.equal(mine, eager)
+    got[0].fill_(0)
+    got[1].fill_(-1)
+    assert torch.equal(x, torch.tensor([1.0, 0.0, 0.0]))
+    assert torch.equal(z, torch.full((2,), -1 - 1j, dtype=torch.complex64))
