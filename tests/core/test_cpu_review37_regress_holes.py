@@ -84,3 +84,27 @@ def test_a_returned_view_in_another_dtype_is_that_view_of_the_caller_s_tensor(vi
     got[1].fill_(-1)
     assert torch.equal(x, torch.tensor([1.0, 0.0, 0.0]))
     assert torch.equal(z, torch.full((2,), -1 - 1j, dtype=torch.complex64))
+
+
+def _maybe_collect(x: torch.Tensor, store: list[torch.Tensor] | None = None) -> torch.Tensor:
+    if store is not None:
+        store.append(x * 2)  # changes the caller's list
+    return x + 1
+
+
+def test_a_break_refused_for_a_list_stays_one_op_where_called_without_one() -> None:
+    # A break found changing a list it was given (063eb72c/045c843) had every call made a dynamo
+    # graph break from then on, also the calls passing no container, which lose nothing: a
+    # fullgraph=True function calling it so compiled alone, but failed once another compiled
+    # function had passed the break a list (the outcome depended on the order of the calls).
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    collect = bcg_core.eager_on_graph(_maybe_collect, name="r37.maybe_collect")
+    with_list = torch.compile(lambda x, s: collect(x.sin(), s) * len(s), backend="aot_eager")
+    x = torch.randn(3)
+    store: list[torch.Tensor] = []
+    assert torch.equal(with_list(x, store), (x.sin() + 1) * 1)
+    assert len(store) == 1
+    alone = torch.compile(lambda x: collect(x.cos()) * 2, backend="aot_eager", fullgraph=True)
+    assert torch.equal(alone(x), (x.cos() + 1) * 2)  # raised: a graph break under fullgraph
