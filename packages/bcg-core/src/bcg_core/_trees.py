@@ -184,6 +184,8 @@ def _unwalked(t: type) -> frozenset[str]:
     found = by_type.get(t)
     if found is None:
         found = frozenset().union(*(_UNWALKED.get(k, frozenset()) for k in t.__mro__))
+        if len(by_type) >= 256:  # bounded: classes made in a loop are not kept alive
+            by_type.clear()
         by_type[t] = found
     return found
 
