@@ -160,18 +160,34 @@ def _attributes(obj: Any) -> dict[str, Any]:
     return attrs
 
 
-# Attributes not walked, by exact class: state that the class's methods, patched by an
+# Attributes not walked, by class: state that the class's methods, patched by an
 # integration, read live at every replay (a break), so one graph serves every value; keyed, each
-# new value was another signature, a miss (see leave_unwalked).
+# new value was another signature, a miss (see leave_unwalked). _unwalked_by_type: the same for
+# each type met, subclasses included, resolved once (the walk's hot path is a dict lookup).
 _UNWALKED: dict[type, frozenset[str]] = {}
+_unwalked_by_type: dict[type, frozenset[str]] = {}
 
 
 def leave_unwalked(cls: type, names: Iterable[str]) -> None:
-    """Never walk the attributes ``names`` of objects of exactly ``cls``: they are no leaves,
-    so no part of a signature (a rebuilt object keeps them, as a shallow copy). Only for state
-    that every replay reads afresh through a break (a sliding cache layer's Python int
-    position, ``_integrations/sliding_window.py``)."""
+    """Never walk the attributes ``names`` of objects of ``cls`` or a subclass (transformers'
+    hybrid sliding layer subclasses the sliding one, and runs its patched methods): they are no
+    leaves, so no part of a signature (a rebuilt object keeps them, as a shallow copy). Only
+    for state that every replay reads afresh through a break (a sliding cache layer's Python
+    int position, ``_integrations/sliding_window.py``)."""
+    global _unwalked_by_type
     _UNWALKED[cls] = _UNWALKED.get(cls, frozenset()) | frozenset(names)
+    _unwalked_by_type = {}  # a new one: a walk resolving meanwhile fills the old one
+
+
+def _unwalked(t: type) -> frozenset[str]:
+    by_type = _unwalked_by_type
+    found = by_type.get(t)
+    if found is None:
+        found = frozenset().union(*(_UNWALKED.get(k, frozenset()) for k in t.__mro__))
+        if len(by_type) >= 256:  # bounded: classes made in a loop are not kept alive
+            by_type.clear()
+        by_type[t] = found
+    return found
 
 
 def _children(obj: Any, kind: str) -> tuple[list[Any], Any]:
@@ -196,7 +212,7 @@ def _children(obj: Any, kind: str) -> tuple[list[Any], Any]:
             attrs.setdefault(name, value)
     else:
         attrs = _attributes(obj)
-    if _UNWALKED and (unwalked := _UNWALKED.get(type(obj))) is not None:
+    if _UNWALKED and (unwalked := _unwalked(type(obj))):
         attrs = {name: value for name, value in attrs.items() if name not in unwalked}
     return list(attrs.values()), tuple(attrs)
 

@@ -180,9 +180,10 @@ def traceable(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     dynamo at trace time). Not when grad mode is on and a tensor argument requires grad: the
     op has no autograd formula (AOTAutograd failed the compile with "Trying to backward
     through bcg.opaque.default"), so that call is a dynamo graph break, and autograd runs
-    through the eager break. Nor once a traced call of the function changed a container
-    argument, or failed on fake tensors with one (see :data:`_broken`)."""
-    if function_id in _broken:
+    through the eager break. Nor, once a traced call of the function changed a container
+    argument or failed on fake tensors with one (see :data:`_broken`), for calls that take a
+    list or dict (those without lose nothing: they stay one op, fullgraph=True included)."""
+    if function_id in _broken and _takes_containers(args, kwargs):
         return False
     leaves = pytree.tree_leaves((args, kwargs))
     kinds = (torch.Tensor, *CONSTANT_TYPES)
@@ -313,12 +314,13 @@ def _apply(
         # Dynamo traces this body only when running it on fake tensors failed (a break that
         # reads values, with no capture_stub; torch 2.11 then inlines it, and the half-traced
         # call could not work): the call becomes a dynamo graph break, an ordinary break call.
-        if function_id in _broken:
+        call = _unbox((args, kwargs))
+        if function_id in _broken and _takes_containers(*call):
             # The call below would get dynamo's rebuilt copies of the containers (a change to
             # one was lost): raising makes dynamo run the frame again, where traceable() sends
             # the call to the graph break with the caller's.
             raise RuntimeError(_broken[function_id])
-        out = _eager(_registered(function_id)[0], *_unbox((args, kwargs)))
+        out = _eager(_registered(function_id)[0], *call)
         return _box(out), 0
     # A break passed into the compiled frame (an argument, a closure) has its id read from
     # there, which dynamic=True makes a SymInt: guarded to its value, as any number is here.
@@ -396,7 +398,8 @@ def _refusal(
 ) -> Exception:
     """An error raised where dynamo runs a call on fake tensors, logged once per break and
     kind: dynamo reports its own error (with this one as the cause) or graph-breaks. Given
-    ``broken`` (a function id), that function's calls are graph breaks from now on."""
+    ``broken`` (a function id), that function's calls taking a list or dict are graph breaks
+    from now on."""
     if first_time((kind, name)):
         logger.warning(message)
     if broken is not None:
@@ -457,9 +460,10 @@ def _refuse_overlaps(fid: int, tensors: list[torch.Tensor], mutated: tuple[int, 
                 )
 
 
-# Ids of the functions whose calls are dynamo graph breaks with the caller's arguments, and
-# why: a traced call changed a list or dict argument, or failed on fake tensors with one (its
-# fallback in _apply got copies of the containers; a change to them was lost, silently).
+# Ids of the functions whose calls taking a list or dict are dynamo graph breaks with the
+# caller's arguments, and why: a traced call changed a list or dict argument, or failed on fake
+# tensors with one (its fallback in _apply got copies of the containers; a change to them was
+# lost, silently). Their calls without containers stay opaque ops.
 _broken: dict[int, str] = {}
 
 

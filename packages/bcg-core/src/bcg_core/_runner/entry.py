@@ -31,21 +31,24 @@ def _cloner(output: Any, passed: frozenset[int]) -> Callable[[], Any]:
     return lambda: _trees.map_tensors(output, torch.Tensor.clone, keep=passed)
 
 
-# A view of a static buffer: its size, strides and storage offset from the buffer's start.
-_View = tuple[tuple[int, ...], tuple[int, ...], int]
+# A view of a static buffer: its size, strides, storage offset from the buffer's start (in its
+# own elements) and its dtype where it differs from the buffer's (`x.view(torch.int32)`,
+# `torch.view_as_real(x)`: a view all the same, whose writes eager's caller sees).
+_View = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype | None]
 
 
 def _view_in(t: torch.Tensor, buf: torch.Tensor) -> _View | None:
-    """``t`` as a view of ``buf``'s elements, or None: only of a contiguous buffer, in its dtype
-    and wholly within it (the same view of a caller's tensor laid out alike then holds the same
+    """``t`` as a view of ``buf``'s elements, or None: only of a contiguous buffer, wholly
+    within it (the same view of a caller's tensor laid out alike then holds the same
     elements)."""
-    if t.dtype != buf.dtype or t.device != buf.device or not buf.is_contiguous():
+    if t.device != buf.device or not buf.is_contiguous():
         return None
-    offset = int(t.storage_offset() - buf.storage_offset())
-    last = offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-    if offset < 0 or last >= buf.numel():
+    size = t.element_size()
+    start = t.storage_offset() * size - buf.storage_offset() * buf.element_size()
+    span = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+    if start < 0 or start % size or start + span * size > buf.numel() * buf.element_size():
         return None
-    return tuple(t.shape), t.stride(), offset
+    return tuple(t.shape), t.stride(), start // size, None if t.dtype == buf.dtype else t.dtype
 
 
 def _none_is_its_buffer(live: list[torch.Tensor], ptrs: tuple[int, ...]) -> bool:
@@ -187,9 +190,10 @@ class Entry:
         or a view of one (:attr:`returned`): the caller's tensor where the step returned it, the
         same view of it where it returned a view, as eager gives them back (a clone of the
         buffer missed writes through the result); the other tensors cloned, or the static ones
-        with ``views``. A view is cloned too where the caller's tensor is not laid out as its
-        buffer (another device, a non-contiguous argument): no view of it holds the same
-        elements."""
+        with ``views``. A view in another dtype is taken through a ``view(dtype)`` of the
+        caller's bytes. A view is cloned too where the caller's tensor is not laid out as its
+        buffer (another device, a non-contiguous argument, bytes misaligned for the view's
+        dtype): no view of it holds the same elements."""
         returned, statics = self.returned, self.statics
 
         def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -206,7 +210,13 @@ class Entry:
                     and src.shape == buf.shape
                     and src.is_contiguous()
                 ):
-                    size, stride, offset = view
+                    size, stride, offset, dtype = view
+                    if dtype is not None:  # through the bytes: view(dtype) of a 1-d tensor
+                        src = src.reshape(-1).view(torch.uint8)
+                        n = torch.empty((), dtype=dtype).element_size()
+                        if src.storage_offset() % n or src.numel() % n:
+                            return t if views else t.clone()
+                        src = src.view(dtype)
                     return src.as_strided(size, stride, src.storage_offset() + offset)
             return t if views else t.clone()
 

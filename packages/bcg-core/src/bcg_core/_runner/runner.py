@@ -87,9 +87,9 @@ class BreakableGraphRunner:
     buffers (one batched copy), the graph replays under the runtime flag (and inside
     ``replay_context()`` if given), and a clone of the output is returned (``return_views=True``
     returns the static output itself, valid until the next replay); an argument the step
-    returns itself is returned as the caller's tensor, as eager does, and a view of one as
-    the same view of the caller's tensor (cloned where that tensor is not laid out as its
-    contiguous buffer). Device order: a call's
+    returns itself is returned as the caller's tensor, as eager does, and a view of one (in its
+    dtype or another: ``x.view(torch.int32)``) as the same view of the caller's tensor (cloned
+    where that tensor is not laid out as its contiguous buffer). Device order: a call's
     input copies wait on an event recorded after the previous use of the pool, on whatever
     stream that ran, and the clone is taken on the replay stream before the next event. An
     unknown signature runs eagerly and never captures; the first :data:`MISS_LOG_LIMIT`
