@@ -8,6 +8,13 @@ CPU backend: Llama and Gemma 3 beams and scores differed from plain ``generate``
 reorder is transformers' own, then its result is copied back into the old tensors and the layer
 rebound to them: the same values at the captured addresses. A cache passed to a runner as an
 argument was served eagerly instead (a miss naming the rebound tensor); it now replays.
+
+The other static layers' reorders rebind more tensors the same way, so they are patched too:
+``StaticIndexedLayer`` (its ``indexer_keys``) and the linear-attention layers
+(``LinearAttentionCacheLayerMixin``: the ``conv_states``/``recurrent_states`` entries of
+LFM2, Qwen3-Next, ZAYA and the hybrid ``LinearAttentionAndStatic*`` layers, whose reorders call
+this mixin's and ``StaticLayer``'s). Unpatched, LFM2 and ZAYA beam scores differed from plain
+``generate`` (test_cpu_review36_cachezoo_holes).
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from bcg_core._patching import PatchHandle
 
 _lock = threading.Lock()
@@ -24,24 +33,48 @@ _handle: list[PatchHandle] = []  # the class patch, made once and kept (registra
 
 
 def install() -> None:
-    """Patch ``StaticLayer.reorder_cache`` (once per process; idempotent)."""
-    from transformers.cache_utils import StaticLayer
+    """Patch the ``reorder_cache`` of ``StaticLayer``, ``StaticIndexedLayer`` and
+    ``LinearAttentionCacheLayerMixin`` (once per process; idempotent)."""
+    from transformers.cache_utils import (
+        LinearAttentionCacheLayerMixin,
+        StaticIndexedLayer,
+        StaticLayer,
+    )
 
+    classes = (StaticLayer, StaticIndexedLayer, LinearAttentionCacheLayerMixin)
     with _lock:
         if not _handle:
-            _handle.append(PatchHandle.patch_all([(StaticLayer, "reorder_cache", _wrap_reorder)]))
+            _handle.append(
+                PatchHandle.patch_all((cls, "reorder_cache", _wrap_reorder) for cls in classes)
+            )
+
+
+def _tensors(layer: Any) -> dict[tuple[str, Any], torch.Tensor]:
+    """The layer's tensors, by attribute (and key, for a list or dict of states)."""
+    found: dict[tuple[str, Any], torch.Tensor] = {}
+    for name, value in vars(layer).items():
+        if isinstance(value, torch.Tensor):
+            found[name, None] = value
+        elif isinstance(value, (list, dict)):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            found.update(((name, k), t) for k, t in items if isinstance(t, torch.Tensor))
+    return found
 
 
 def _wrap_reorder(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def reorder_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
-        before = (self.keys, self.values)
+        before = _tensors(self)
         out = original(self, *args, **kwargs)
-        for name, old in zip(("keys", "values"), before, strict=True):
-            new = getattr(self, name)
-            if old is not None and new is not old and new.shape == old.shape:
-                old.copy_(new)  # index_select's output: a new tensor, no overlap with old
+        for (name, key), new in _tensors(self).items():
+            old = before.get((name, key))
+            if old is None or new is old or new.shape != old.shape or new.dtype != old.dtype:
+                continue
+            old.copy_(new)  # index_select's output: a new tensor, no overlap with old
+            if key is None:
                 setattr(self, name, old)
+            else:
+                getattr(self, name)[key] = old
         return out
 
     return reorder_cache
