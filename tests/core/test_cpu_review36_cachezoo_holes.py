@@ -22,16 +22,22 @@ from test_cpu_transformers_families import SMALL, cache_tensors  # noqa: E402
 from transformers import CONFIG_MAPPING  # noqa: E402
 
 # Linear-attention cache layers: LFM2's convolution layers (LinearAttentionLayer) beside a
-# StaticLayer, ZAYA's hybrid LinearAttentionAndStaticFullAttentionLayer.
+# StaticLayer, ZAYA's hybrid LinearAttentionAndStaticFullAttentionLayer and (with a window)
+# LinearAttentionAndStaticSlidingWindowAttentionLayer.
 LINEAR = {
-    "lfm2": {**SMALL, "layer_types": ["conv", "full_attention"]},
-    "zaya": SMALL,
+    "lfm2": ("lfm2", {**SMALL, "layer_types": ["conv", "full_attention"]}),
+    "zaya": ("zaya", SMALL),
+    "zaya_sliding": (
+        "zaya",
+        {**SMALL, "layer_types": ["hybrid_sliding", "hybrid"], "sliding_window": 4},
+    ),
 }
 
 
 def _linear_model(family: str) -> Any:
     torch.manual_seed(0)
-    config = CONFIG_MAPPING[family](**LINEAR[family])
+    kind, options = LINEAR[family]
+    config = CONFIG_MAPPING[kind](**options)
     name = bcg_core.breakable_attention("sdpa")
     return transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation=name, dtype=torch.float32
@@ -39,12 +45,17 @@ def _linear_model(family: str) -> Any:
 
 
 def _saved(cache: Any) -> Callable[[], None]:
-    """Save every tensor of the cache's layers; the function returned puts them back in place."""
+    """Save every tensor of the cache's layers and the sliding layers' int positions; the
+    function returned puts them back (the tensors in place)."""
     saved = [t.clone() for t in cache_tensors(cache)]
+    positions = [vars(layer).get("cumulative_length_int") for layer in cache.layers]
 
     def restore() -> None:
         for t, s in zip(cache_tensors(cache), saved, strict=True):
             t.copy_(s)
+        for layer, position in zip(cache.layers, positions, strict=True):
+            if position is not None:
+                layer.cumulative_length_int = position
 
     return restore
 
@@ -109,7 +120,10 @@ def test_beam_search_over_linear_attention_cache_layers_equals_plain_generate(
     recurrent states to ``index_select``'s new tensors; bcg kept only ``StaticLayer``'s reorder
     in place, so a graph over the cache replayed on stale states: LFM2's and ZAYA's beam
     scores differed from plain ``generate``, silently. Now every static layer's reorder writes
-    back into the tensors it had."""
+    back into the tensors it had. And ZAYA's sliding hybrid layer (a subclass of
+    ``StaticSlidingWindowLayer``) kept its Python int position in the signature of a cache passed
+    as an argument (only the exact class was left unwalked): every decode step was a miss, run
+    eagerly."""
     prompt = torch.randint(4, 128, (1, 8), generator=torch.Generator().manual_seed(1))
     results = []
     for graphs in ("", "closure", "argument"):

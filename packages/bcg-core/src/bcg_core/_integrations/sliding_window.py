@@ -85,7 +85,13 @@ def install() -> None:
             # A cache passed to a runner (generate() hands model.forward its cache): the int
             # moves every step and the breaks read it at every replay, so it is no part of the
             # signature (keyed, every decode step after the capture was a miss, run eagerly).
-            _trees.leave_unwalked(StaticSlidingWindowLayer, ("cumulative_length_int",))
+            # Its subclasses too (leave_unwalked is by exact class): ZAYA's
+            # LinearAttentionAndStaticSlidingWindowAttentionLayer missed at every step.
+            pending = [StaticSlidingWindowLayer]
+            while pending:
+                cls = pending.pop()
+                _trees.leave_unwalked(cls, ("cumulative_length_int",))
+                pending.extend(cls.__subclasses__())
 
 
 def took_last_update() -> bool:
