@@ -9,10 +9,13 @@ reorder is transformers' own, then its result is copied back into the old tensor
 rebound to them: the same values at the captured addresses. A cache passed to a runner as an
 argument was served eagerly instead (a miss naming the rebound tensor); it now replays.
 
-The subclasses that override ``reorder_cache`` are patched too, and every tensor the layer holds
-(an attribute, or an item of a dict attribute) is kept in place, not only ``keys``/``values``:
-``StaticIndexedLayer`` (DeepSeek V3.2, GLM DSA) rebinds ``indexer_keys`` after calling
-``StaticLayer``'s, the hybrid linear-attention layers their ``conv_states``/``recurrent_states``.
+The other static layers' reorders rebind more tensors the same way, so every subclass that
+overrides the reorder is patched too: ``StaticIndexedLayer`` (its ``indexer_keys``; DeepSeek
+V3.2, GLM DSA) and the linear-attention layers
+(``LinearAttentionCacheLayerMixin``: the ``conv_states``/``recurrent_states`` entries of
+LFM2, Qwen3-Next, ZAYA and the hybrid ``LinearAttentionAndStatic*`` layers, whose reorders call
+this mixin's and ``StaticLayer``'s). Unpatched, LFM2 and ZAYA beam scores differed from plain
+``generate`` (test_cpu_review36_cachezoo_holes).
 """
 
 from __future__ import annotations
@@ -31,50 +34,51 @@ _handle: list[PatchHandle] = []  # the class patch, made once and kept (registra
 
 
 def install() -> None:
-    """Patch ``reorder_cache`` of ``StaticLayer`` and of its subclasses that override it (once
-    per process; idempotent)."""
+    """Patch the ``reorder_cache`` of ``StaticLayer``, ``LinearAttentionCacheLayerMixin`` and
+    each of their subclasses in transformers' ``cache_utils`` that overrides it (once per
+    process; idempotent)."""
     from transformers import cache_utils
 
+    bases = (cache_utils.StaticLayer, cache_utils.LinearAttentionCacheLayerMixin)
     with _lock:
         if not _handle:
             classes = [
                 c
                 for c in vars(cache_utils).values()
-                if isinstance(c, type)
-                and issubclass(c, cache_utils.StaticLayer)
-                and "reorder_cache" in vars(c)
+                if isinstance(c, type) and issubclass(c, bases) and "reorder_cache" in vars(c)
             ]
-            if cache_utils.StaticLayer not in classes:  # it inherits the mixin's
-                classes.append(cache_utils.StaticLayer)
+            classes += [c for c in bases if c not in classes]  # StaticLayer inherits its own
             _handle.append(
-                PatchHandle.patch_all([(c, "reorder_cache", _wrap_reorder) for c in classes])
+                PatchHandle.patch_all((cls, "reorder_cache", _wrap_reorder) for cls in classes)
             )
 
 
-def _held(layer: Any) -> dict[tuple[str, Any], torch.Tensor]:
-    """The tensors ``layer`` holds: its tensor attributes and the tensor items of its dicts."""
-    held = {}
+def _tensors(layer: Any) -> dict[tuple[str, Any], torch.Tensor]:
+    """The layer's tensors, by attribute (and key, for a list or dict of states)."""
+    found: dict[tuple[str, Any], torch.Tensor] = {}
     for name, value in vars(layer).items():
         if isinstance(value, torch.Tensor):
-            held[name, None] = value
-        elif isinstance(value, dict):
-            held.update(((name, k), v) for k, v in value.items() if isinstance(v, torch.Tensor))
-    return held
+            found[name, None] = value
+        elif isinstance(value, (list, dict)):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            found.update(((name, k), t) for k, t in items if isinstance(t, torch.Tensor))
+    return found
 
 
 def _wrap_reorder(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def reorder_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
-        before = _held(self)
+        before = _tensors(self)
         out = original(self, *args, **kwargs)
-        for (name, key), new in _held(self).items():
+        for (name, key), new in _tensors(self).items():
             old = before.get((name, key))
-            if old is not None and new is not old and new.shape == old.shape:
-                old.copy_(new)  # index_select's output: a new tensor, no overlap with old
-                if key is None:
-                    setattr(self, name, old)
-                else:
-                    getattr(self, name)[key] = old
+            if old is None or new is old or new.shape != old.shape or new.dtype != old.dtype:
+                continue
+            old.copy_(new)  # index_select's output: a new tensor, no overlap with old
+            if key is None:
+                setattr(self, name, old)
+            else:
+                getattr(self, name)[key] = old
         return out
 
     return reorder_cache

@@ -75,7 +75,8 @@ def breakable_attention(base: str = "sdpa") -> str:
     :class:`CaptureError`, and so does capturing the update of a ``DynamicCache`` layer made
     before the capture, in any model (its ``torch.cat`` growth would replay the capture's
     context; see ``dynamic_cache.py``).
-    A ``StaticCache`` reordered for beam search (``StaticLayer.reorder_cache``) is reordered
+    A ``StaticCache`` reordered for beam search (the ``reorder_cache`` of ``StaticLayer``,
+    ``StaticIndexedLayer`` and the linear-attention layers) is reordered
     in place, so a graph over it reads the reordered cache (see ``static_cache.py``).
 
     Args:
