@@ -105,6 +105,26 @@ def test_a_write_through_a_reshape_in_inference_mode_bumps_the_version() -> None
         assert s._version != before  # as on CUDA, where no dispatch mode records the ops
 
 
+def _write_twice(x: torch.Tensor) -> torch.Tensor:
+    x = x.to(torch.float32)  # x itself (aten.to of its own dtype): no new view
+    x.add_(1)
+    x.mul_(2)
+    return x.reshape(-1)[:1] * 1
+
+
+def test_a_tensor_returned_as_itself_then_written_in_inference_mode_captures() -> None:
+    # The alias note took an op's output that is its operand itself (`.to()` of its own
+    # dtype) for a view of it, and the next write followed that cycle of one for
+    # ever: a transformers decode captured in inference mode hung the CPU suite.
+    with torch.inference_mode():
+        runner = BreakableGraphRunner(_write_twice, device="cpu", warmup_iters=1)
+        runner.capture(torch.zeros(2))
+        x = torch.ones(2)
+        out = runner(x)
+    assert runner.stats.hits == 1
+    assert torch.equal(x, torch.tensor([4.0, 4.0])) and torch.equal(out, torch.tensor([4.0]))
+
+
 def test_a_vector_matmul_in_inference_mode_captures_without_a_warning() -> None:
     v, m = torch.randn(4), torch.randn(4, 3)
     graph = BreakableCUDAGraph(backend="cpu")

@@ -720,7 +720,9 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         through it left ``x._version`` as it was, and a runner, which finds the arguments a
         graph writes by their versions, never copied the write back to the caller."""
         for o in outs:
-            if o._is_view():
+            # An in-place or out= op returns its operand itself: no new view (noted, it made a
+            # cycle of one that _bump_versions followed for ever).
+            if o._is_view() or any(o is t for t in operands):
                 continue
             ptr = _storage_ptr(o)
             base = next((t for t in operands if _storage_ptr(t) == ptr), None)
@@ -736,6 +738,7 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
             if a.alias_info is None or not a.alias_info.is_write:
                 continue
             t = args[i] if i < len(args) else kwargs.get(a.name)
+            # A chain ends: each view is noted once, when made, after the tensor it views.
             while isinstance(t, torch.Tensor) and (base := self._aliases.get(t)) is not None:
                 t = base
                 if not t.is_inference():
