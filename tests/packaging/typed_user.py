@@ -197,6 +197,17 @@ assert_type(ops, PatchHandle)
 dit = DiTRunner(block, breakable_attention=ops, device="cpu")
 dit.capture(hidden_states=x0)
 v = dit(hidden_states=x0)
+with dit.warmup() as dw:
+    assert_type(dw, DiTRunner)
+
+
+class MyRunner(BreakableGraphRunner):
+    def served(self) -> int:
+        return self.stats.hits
+
+
+with MyRunner(step, device="cpu").warmup() as mine:
+    assert_type(mine.served(), int)
 dit.close()
 assert_type(bucket_for(3, [4, 8]), int)
 ids, mask = pad_prompt(torch.ones(1, 3, 2), None, [4, 8])
