@@ -6,6 +6,7 @@ with no cast and no ignore. The runtime tests check that what the annotations pr
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import subprocess
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 import bcg_core
@@ -89,3 +91,44 @@ def test_adapted_attention_forward_keeps_its_result_on_replay() -> None:
     graph.replay()
     assert torch.equal(out, torch.full((2, 3), 10.0))
     assert torch.equal(lse, torch.full((2,), 15.0))
+
+
+def _unguarded_add_note_calls(source: str) -> list[int]:
+    """Lines calling ``X.add_note(...)`` outside an ``if hasattr(X, "add_note")`` block."""
+    tree = ast.parse(source)
+    guarded: set[int] = set()
+    for node in ast.walk(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        if (
+            isinstance(test, ast.Call)
+            and isinstance(test.func, ast.Name)
+            and test.func.id == "hasattr"
+            and len(test.args) == 2
+            and isinstance(test.args[1], ast.Constant)
+            and test.args[1].value == "add_note"
+        ):
+            for inner in node.body:
+                guarded.update(n.lineno for n in ast.walk(inner) if hasattr(n, "lineno"))
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "add_note"
+        and node.lineno not in guarded
+    ]
+
+
+def test_sources_run_on_the_oldest_python_the_wheels_claim() -> None:
+    # Both distributions say requires-python >= 3.10, where BaseException has no add_note: an
+    # unguarded call there replaced the real error (a CaptureError, a step's own exception in
+    # check_divergence, install_breakable_attention's failure) with an AttributeError.
+    for dist in ("bcg-core", "bcg-diffusion"):
+        project = tomllib.loads((REPO / "packages" / dist / "pyproject.toml").read_text())
+        assert project["project"]["requires-python"] == ">=3.10"
+    found = {
+        str(path.relative_to(REPO)): lines
+        for path in sorted((REPO / "packages").glob("*/src/**/*.py"))
+        if (lines := _unguarded_add_note_calls(path.read_text()))
+    }
+    assert found == {}

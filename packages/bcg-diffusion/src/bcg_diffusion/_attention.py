@@ -166,7 +166,8 @@ def install_breakable_attention(*classes: type) -> AttentionPatch:
         except BaseException as exc:
             for handle in made.values():  # all or nothing
                 handle.remove()
-            exc.add_note(f"bcg: install_breakable_attention installed nothing ({cls!r} failed)")
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(f"bcg: install_breakable_attention installed nothing ({cls!r} failed)")
             raise
         _installed.update(made)
         return AttentionPatch(classes, tuple(_installed[cls] for cls in classes))
