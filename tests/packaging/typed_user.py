@@ -256,3 +256,12 @@ def attend(attn: MyAttention, q: torch.Tensor) -> torch.Tensor:
 
 
 assert_type(MyAttention().forward(x0, x0), tuple[torch.Tensor, torch.Tensor])
+
+
+def _collect(x: torch.Tensor) -> list[int]:
+    return [int(v) for v in x.tolist()]
+
+
+# Wrapping an existing function with options, in one call (as the project's own tests do).
+collect = eager_on_graph(_collect, name="collect", strict=True)
+assert_type(collect(x0), list[int])
