@@ -132,3 +132,45 @@ def test_sources_run_on_the_oldest_python_the_wheels_claim() -> None:
         if (lines := _unguarded_add_note_calls(path.read_text()))
     }
     assert found == {}
+
+
+def test_imports_stay_lazy_and_work_without_the_optional_libraries() -> None:
+    # Guard (no hole found): neither package imports transformers, diffusers or torch._dynamo
+    # at import time, and with transformers and diffusers unimportable both still import; the
+    # transformers features say which extra to install when used.
+    code = (
+        "import sys\n"
+        "class Blocked:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('transformers', 'diffusers'):\n"
+        "            raise ImportError(f'No module named {name!r} (blocked)')\n"
+        "sys.meta_path.insert(0, Blocked())\n"
+        "import bcg_core, bcg_diffusion\n"
+        "print(sorted(m for m in ('transformers', 'diffusers', 'torch._dynamo')"
+        " if m in sys.modules))\n"
+        "try:\n"
+        "    bcg_core.breakable_attention('sdpa')\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "[]"
+    assert 'pip install "bcg-core[transformers]"' in lines[1]
+
+
+def test_python_dash_m_bcg_core_is_the_bcg_command() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "bcg_core", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: bcg ")
+    for command in ("demo", "bench", "check"):
+        assert command in r.stdout
