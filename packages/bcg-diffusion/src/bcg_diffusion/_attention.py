@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -22,15 +22,20 @@ from bcg_core import PatchHandle, eager_on_graph
 
 _ORIGINAL = "__bcg_original_forward__"
 
+# The wrapper keeps the forward's signature and return type (as eager_on_graph's does), so a
+# typed caller of the adapted forward needs no cast.
+_F = TypeVar("_F", bound=Callable[..., Any])
 
-def make_breakable_attention_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+
+def make_breakable_attention_forward(forward: _F) -> _F:
     """Wrap an attention ``forward(self, *args, **kwargs)`` as a break point under the flag.
 
     While the breakable-graph flag is set the wrapper is an :func:`bcg_core.eager_on_graph`
     break; otherwise it is a transparent pass-through.
 
     The break is named after the forward's ``__qualname__``; the wrapper keeps its name and
-    docstring. Wrapping an already wrapped forward returns it unchanged.
+    docstring, and for type checkers its signature. Wrapping an already wrapped forward returns it
+    unchanged.
 
     Args:
         forward: the attention method (an unbound function taking the module first).
@@ -161,7 +166,8 @@ def install_breakable_attention(*classes: type) -> AttentionPatch:
         except BaseException as exc:
             for handle in made.values():  # all or nothing
                 handle.remove()
-            exc.add_note(f"bcg: install_breakable_attention installed nothing ({cls!r} failed)")
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(f"bcg: install_breakable_attention installed nothing ({cls!r} failed)")
             raise
         _installed.update(made)
         return AttentionPatch(classes, tuple(_installed[cls] for cls in classes))

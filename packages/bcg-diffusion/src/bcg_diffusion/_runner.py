@@ -8,7 +8,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils._pytree as pytree  # noqa: PLC2701  (the one walker: torch's pytree)
@@ -24,6 +24,10 @@ logger = logging.getLogger("bcg_diffusion")
 # close() owns it no more).
 _owned_lock = threading.Lock()
 _owned: weakref.WeakKeyDictionary[PatchHandle, weakref.ref[DiTRunner]] = weakref.WeakKeyDictionary()
+
+
+# warmup() yields the runner itself, typed as the caller's class (see BreakableGraphRunner).
+_DiT = TypeVar("_DiT", bound="DiTRunner")
 
 
 class DiTRunner(BreakableGraphRunner):
@@ -248,7 +252,7 @@ class DiTRunner(BreakableGraphRunner):
         )
 
     @contextlib.contextmanager
-    def warmup(self) -> Iterator[BreakableGraphRunner]:
+    def warmup(self: _DiT) -> Iterator[_DiT]:
         """As :meth:`bcg_core.BreakableGraphRunner.warmup`, refused for hooks no graph replays.
 
         ``capture`` and ``capture_many`` open one too, so they are refused alike.

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from contextlib import AbstractContextManager
 from contextvars import ContextVar, Token
 
 _TOKEN: ContextVar[int | None] = ContextVar("bcg_diffusion_replay_token", default=None)
@@ -74,16 +73,18 @@ class ReplayTokenScope(contextlib.ContextDecorator):
                 _TOKEN.reset(reset)
 
 
-def replay_token_scope() -> AbstractContextManager[int]:
+def replay_token_scope() -> ReplayTokenScope:
     """Context manager that runs the enclosed replay under a fresh token.
 
     :class:`DiTRunner` enters one for every replay (not for its eager calls, whose token
     stays None); use it to replay by hand
-    (``with replay_token_scope() as token: graph.replay()``). The token is set in a context
+    (``with replay_token_scope() as token: graph.replay()``), or as a decorator
+    (``@replay_token_scope()``: a fresh token for each call). The token is set in a context
     variable (this thread or task), and the previous token is restored on exit.
 
     Returns:
         A context manager whose ``__enter__`` returns the new token, a positive int larger than
-        every token before it in the process.
+        every token before it in the process; also a decorator (typed as one, so
+        ``@replay_token_scope()`` needs no cast).
     """
     return ReplayTokenScope()

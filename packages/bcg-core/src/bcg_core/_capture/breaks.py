@@ -54,8 +54,19 @@ def breaks_observed() -> bool:
     return bool(_observing) and _OBSERVER.get() is not None
 
 
+# The function and the options in one call (``eager_on_graph(fn, name="x")``) is supported
+# as well as the two decorator forms, and typed as such (no cast needed).
 @overload
-def eager_on_graph(fn: F, /) -> F: ...
+def eager_on_graph(
+    fn: F,
+    /,
+    *,
+    enable: bool = True,
+    capture_stub: Callable[..., Any] | None = None,
+    strict: bool = False,
+    name: str | None = None,
+    gated: bool = False,
+) -> F: ...
 
 
 @overload
@@ -111,8 +122,8 @@ def eager_on_graph(
     ``@staticmethod``/``@classmethod`` alike, the method keeps its kind.
 
     Args:
-        fn: the function to mark, when used bare; None (the default) returns a decorator
-            configured by the keyword arguments.
+        fn: the function to mark (bare use, or ``eager_on_graph(fn, name=...)`` with the
+            keyword arguments); None (the default) returns a decorator configured by them.
         enable: False makes the wrapper a plain call, never a break (default True).
         capture_stub: a callable run at capture instead of ``fn``, with the same arguments,
             whose return value stands for ``fn``'s (same structure, shapes and dtypes); replays

@@ -565,7 +565,10 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
                     refused = as_capture_error(exc)
                     if refused is not None:
                         where = state.where_raised(exc)
-                        refused.add_note(f"bcg: raised {where} of a breakable CUDA graph capture")
+                        if hasattr(refused, "add_note"):  # Python >= 3.11
+                            refused.add_note(
+                                f"bcg: raised {where} of a breakable CUDA graph capture"
+                            )
                         raise refused from exc
         finally:
             state.forget_errors()

@@ -393,7 +393,8 @@ def _phase(what: str) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        exc.add_note(f"{RAISED_IN} {what}")
+        if hasattr(exc, "add_note"):  # Python >= 3.11
+            exc.add_note(f"{RAISED_IN} {what}")
         raise
 
 

@@ -10,7 +10,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any, Literal, NoReturn, SupportsIndex
+from typing import Any, Literal, NoReturn, SupportsIndex, TypeVar
 
 import torch
 
@@ -50,6 +50,11 @@ from bcg_core._signature import (
 from bcg_core._trees import one_shot_iterator
 
 logger = logging.getLogger("bcg_core")
+
+
+# warmup() yields the runner itself: typed as the caller's own class, so a subclass's window
+# (DiTRunner's, a user's) gives that subclass with no cast.
+_Runner = TypeVar("_Runner", bound="BreakableGraphRunner")
 
 
 class BreakableGraphRunner:
@@ -511,7 +516,7 @@ class BreakableGraphRunner:
             return GraphMemory(pool_bytes, sum(statics.values()), outside)
 
     @contextlib.contextmanager
-    def warmup(self) -> Iterator[BreakableGraphRunner]:
+    def warmup(self: _Runner) -> Iterator[_Runner]:
         """Context manager: a window in which calls with unknown signatures are captured.
 
         The window belongs to the runner, not to the thread: while one is open, every caller's
