@@ -67,6 +67,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from bcg_core._compare import bitwise_equal
 from bcg_core._context_reset import running_task
 from bcg_core._errors import CaptureError, HostSyncError, ReplayError
+from bcg_core._inference_views import InferenceViews
 from bcg_core._patching import hook_attribute
 from bcg_core._source import user_location
 from bcg_core._trees import map_tensors, tensor_leaves
@@ -542,8 +543,8 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         self._task: object = None  # the asyncio task that captures, None outside a loop
         self._token: Token[Recorder | None] | None = None
         self._hooks: contextlib.ExitStack | None = None
-        # Views made by an op in inference mode (see _note_alias), each to the tensor it views.
-        self._aliases: Any = None
+        # Views made by an op in inference mode, each to the tensor it views (version bumps).
+        self._views = InferenceViews()
 
     def start(self) -> None:
         hooks = contextlib.ExitStack()
@@ -687,10 +688,10 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         fresh = [i for i, t in enumerate(outs) if t.numel() and _storage_ptr(t) not in inputs]
         if not mutable and not fresh and (outs or not operands):
             if outs and torch.is_inference_mode_enabled():
-                self._note_alias(outs, operands)
+                self._views.note(outs, operands)
             return  # a view or an alias of its inputs (checked by storage): metadata only
-        if mutable and self._aliases is not None:
-            self._bump_versions(func, args, kwargs)
+        if mutable:
+            self._views.bump(func, args, kwargs)
         written = {_storage_ptr(t) for t in outs}
         for t in operands:
             if t.dim() == 0 and t.layout is torch.strided:
@@ -712,37 +713,6 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
             dsts = [_snapshot(outs[i]) for i in fresh]
         single = isinstance(out, torch.Tensor)
         self.steps.append(_run_and_copy(func._op, s_args, s_kwargs, single, fresh, dsts))
-
-    def _note_alias(self, outs: list[torch.Tensor], operands: list[torch.Tensor]) -> None:
-        """Remember what a view made under this mode in inference mode views. Such a view
-        (``x.reshape(-1)``: a composite op, dispatched here whole in inference mode) is made
-        below the ADInplaceOrView key, so it shares no version counter with ``x``: a write
-        through it left ``x._version`` as it was, and a runner, which finds the arguments a
-        graph writes by their versions, never copied the write back to the caller."""
-        for o in outs:
-            # An in-place or out= op returns its operand itself: no new view (noted, it made a
-            # cycle of one that _bump_versions followed for ever).
-            if o._is_view() or any(o is t for t in operands):
-                continue
-            ptr = _storage_ptr(o)
-            base = next((t for t in operands if _storage_ptr(t) == ptr), None)
-            if base is not None:
-                if self._aliases is None:
-                    self._aliases = torch.utils.weak.WeakIdKeyDictionary()
-                self._aliases[o] = base
-
-    def _bump_versions(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Bump the version of the tensor each written view made in inference mode views."""
-        schema = func._schema.arguments
-        for i, a in enumerate(schema):
-            if a.alias_info is None or not a.alias_info.is_write:
-                continue
-            t = args[i] if i < len(args) else kwargs.get(a.name)
-            # A chain ends: each view is noted once, when made, after the tensor it views.
-            while isinstance(t, torch.Tensor) and (base := self._aliases.get(t)) is not None:
-                t = base
-                if not t.is_inference():
-                    torch.autograd.graph.increment_version(t)
 
 
 class _CompilingRecorder(Recorder):  # type: ignore[no-untyped-call]

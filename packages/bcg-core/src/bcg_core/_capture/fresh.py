@@ -27,6 +27,7 @@ import torch
 import torch.utils._python_dispatch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from bcg_core._inference_views import InferenceViews
 from bcg_core._trees import tensor_leaves
 
 # The tracker of the break running on this thread, for keep_alive_ok (debug.py).
@@ -85,6 +86,10 @@ class FreshTensorTracker(torch.utils._python_dispatch.TorchDispatchMode):  # typ
         # the break made later at the same address, once the marked one had died.
         self._allowed: list[tuple[StorageWeakRef, int]] = []
         self._token: Any = None
+        # In inference mode a view this mode sees made shares no version counter with its
+        # base: a break writing its argument through one (x.reshape(-1)[:1] = v) was not
+        # copied back to the caller by a runner under the debug check alone.
+        self._views = InferenceViews()
 
     def __enter__(self) -> FreshTensorTracker:
         self._token = TRACKER.set(self)
@@ -104,6 +109,12 @@ class FreshTensorTracker(torch.utils._python_dispatch.TorchDispatchMode):  # typ
     ) -> Any:
         fresh = _fresh_returns(func)
         out = self._run(func, args, kwargs or {}, inside=fresh is None)
+        if torch.is_inference_mode_enabled() and hasattr(func, "_schema"):
+            if func._schema.is_mutable:
+                self._views.bump(func, args, kwargs or {})
+            else:
+                operands = tensor_leaves((args, kwargs), into_objects=False)
+                self._views.note(tensor_leaves(out, into_objects=False), operands)
         if fresh is None:  # no schema to trust: compare with the inputs' storages
             inputs = {storage_key(t) for t in tensor_leaves((args, kwargs), into_objects=False)}
             for t in tensor_leaves(out, into_objects=False):
