@@ -41,7 +41,8 @@ def test_a_patch_made_over_the_cpu_hooks_during_a_capture_survives_their_removal
     calls: list[Any] = []
     theirs: list[Any] = []
     under: list[Any] = []
-    original = torch.manual_seed
+    original = torch.manual_seed  # not torch.random's once dynamo is imported (it wraps it)
+    own = torch.random.manual_seed
 
     def step() -> torch.Tensor:
         # Another library patches torch.manual_seed while bcg's capture hooks are installed.
@@ -67,7 +68,7 @@ def test_a_patch_made_over_the_cpu_hooks_during_a_capture_survives_their_removal
         torch.manual_seed = under[0]
         assert torch.manual_seed is not original
         cpu_capture(lambda: torch.ones(1) + 1)
-        assert torch.manual_seed is original is torch.random.manual_seed
+        assert torch.manual_seed is original and torch.random.manual_seed is own
     finally:
         torch.manual_seed = original
 
@@ -218,3 +219,13 @@ def test_a_wrap_raising_at_release_does_not_leave_the_handle_s_other_patches() -
     other.remove()
     assert _A().f() == "A"
     assert PatchHandle.count(_A, "f") == 0
+
+
+def test_a_capture_keeps_dynamo_s_wrap_of_torch_manual_seed() -> None:
+    # Importing dynamo wraps torch.manual_seed (not torch.random's) in a dynamo-disabled
+    # function; the capture hooks once restored both names to torch.random's, dropping it.
+    import torch._dynamo
+
+    seeders = (torch.manual_seed, torch.random.manual_seed)
+    cpu_capture(lambda: torch.ones(1) + 1)
+    assert (torch.manual_seed, torch.random.manual_seed) == seeders
