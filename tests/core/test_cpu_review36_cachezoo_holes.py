@@ -5,20 +5,18 @@ transformers bitwise."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
 import bcg_core
-from bcg_core import BreakableGraphRunner
 
 transformers = pytest.importorskip(
     "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
 )
-from test_cpu_transformers_families import SMALL, cache_tensors  # noqa: E402
+from test_cpu_generate_holes import closure_graphed, graphed_forward  # noqa: E402
+from test_cpu_transformers_families import SMALL  # noqa: E402
 from transformers import CONFIG_MAPPING  # noqa: E402
 
 # Linear-attention cache layers: LFM2's convolution layers (LinearAttentionLayer) beside a
@@ -44,73 +42,6 @@ def _linear_model(family: str) -> Any:
     ).eval()
 
 
-def _saved(cache: Any) -> Callable[[], None]:
-    """Save every tensor of the cache's layers and the sliding layers' int positions; the
-    function returned puts them back (the tensors in place)."""
-    saved = [t.clone() for t in cache_tensors(cache)]
-    positions = [vars(layer).get("cumulative_length_int") for layer in cache.layers]
-
-    def restore() -> None:
-        for t, s in zip(cache_tensors(cache), saved, strict=True):
-            t.copy_(s)
-        for layer, position in zip(cache.layers, positions, strict=True):
-            if position is not None:
-                layer.cumulative_length_int = position
-
-    return restore
-
-
-def _closure_graphed(model: Any, cache: Any) -> BreakableGraphRunner:
-    """The README's recipe inside ``generate``: a runner over a step closing over ``cache``."""
-    forward = model.forward
-
-    def step(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        out = forward(
-            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-            logits_to_keep=1,
-        )  # fmt: skip
-        logits: torch.Tensor = out.logits
-        return logits
-
-    runner = BreakableGraphRunner(step, device="cpu", warmup_iters=1)
-
-    @functools.wraps(forward)  # generate() reads forward's signature (logits_to_keep)
-    def decode(*args: Any, **kwargs: Any) -> Any:
-        if kwargs["input_ids"].shape[1] != 1 or kwargs["past_key_values"] is not cache:
-            return forward(*args, **kwargs)
-        call = (kwargs["input_ids"], kwargs["attention_mask"])
-        if not runner.stats.entries:
-            restore = _saved(cache)
-            runner.capture(*call)
-            restore()
-        logits = runner(*call)
-        return transformers.modeling_outputs.CausalLMOutputWithPast(
-            logits=logits, past_key_values=cache
-        )
-
-    model.forward = decode
-    return runner
-
-
-def _argument_graphed(model: Any) -> BreakableGraphRunner:
-    """A runner over ``model.forward`` itself: the cache is an argument."""
-    forward = model.forward
-    runner = BreakableGraphRunner(forward, device="cpu", warmup_iters=1)
-
-    @functools.wraps(forward)
-    def decode(*args: Any, **kwargs: Any) -> Any:
-        if kwargs["input_ids"].shape[1] != 1:
-            return forward(*args, **kwargs)
-        if not runner.stats.entries:
-            restore = _saved(kwargs["past_key_values"])
-            runner.capture(*args, **kwargs)
-            restore()
-        return runner(*args, **kwargs)
-
-    model.forward = decode
-    return runner
-
-
 @pytest.mark.parametrize("family", sorted(LINEAR))
 def test_beam_search_over_linear_attention_cache_layers_equals_plain_generate(
     family: str,
@@ -131,9 +62,9 @@ def test_beam_search_over_linear_attention_cache_layers_equals_plain_generate(
         cache = transformers.StaticCache(config=model.config, max_cache_len=48)
         runner = None
         if graphs == "closure":
-            runner = _closure_graphed(model, cache)
+            runner = closure_graphed(model, cache)
         elif graphs == "argument":
-            runner = _argument_graphed(model)
+            runner = graphed_forward(model)
         with torch.no_grad():
             out = model.generate(
                 prompt, past_key_values=cache, max_new_tokens=8, min_new_tokens=8, num_beams=2,

@@ -57,10 +57,16 @@ def _model(family: str, attn: str) -> Any:
 
 
 def cache_tensors(cache: Any) -> list[torch.Tensor]:
-    """Every tensor a StaticCache's forward mutates: keys, values and the position counter."""
-    return [
-        t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)
-    ]
+    """Every tensor a StaticCache's layers hold: keys, values, the position counter and, for
+    hybrid and linear-attention layers, their convolution and recurrent states."""
+    found: list[torch.Tensor] = []
+    for layer in cache.layers:
+        for _, value in sorted(vars(layer).items()):
+            if isinstance(value, dict):
+                value = list(value.values())
+            items = value if isinstance(value, (list, tuple)) else [value]
+            found.extend(t for t in items if isinstance(t, torch.Tensor))
+    return found
 
 
 def sliding_positions(cache: Any) -> list[int]:
@@ -70,16 +76,16 @@ def sliding_positions(cache: Any) -> list[int]:
 
 def saved_cache(cache: Any) -> Callable[[], None]:
     """Save what a StaticCache's forward mutates; the returned function puts it back (the
-    tensors in place, the sliding layers' ints)."""
+    tensors in place, the sliding layers' int positions)."""
     tensors = [t.clone() for t in cache_tensors(cache)]
-    positions = sliding_positions(cache)
+    positions = [vars(layer).get("cumulative_length_int") for layer in cache.layers]
 
     def restore() -> None:
         for t, s in zip(cache_tensors(cache), tensors, strict=True):
             t.copy_(s)
-        sliding = [layer for layer in cache.layers if layer.is_sliding]
-        for layer, position in zip(sliding, positions, strict=True):
-            layer.cumulative_length_int = position
+        for layer, position in zip(cache.layers, positions, strict=True):
+            if position is not None:
+                layer.cumulative_length_int = position
 
     return restore
 

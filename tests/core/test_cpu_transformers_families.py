@@ -23,6 +23,7 @@ from bcg_core import BreakableGraphRunner
 transformers = pytest.importorskip(
     "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
 )
+from test_cpu_transformers import cache_tensors  # noqa: E402
 from transformers import CONFIG_MAPPING  # noqa: E402
 
 SMALL: dict[str, Any] = {
@@ -97,19 +98,6 @@ def model_of(
     return transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation=attn, dtype=dtype
     ).to(device).eval()  # fmt: skip
-
-
-def cache_tensors(cache: Any) -> list[torch.Tensor]:
-    """Every tensor a StaticCache's layers hold: keys, values, the position counter and, for
-    hybrid layers, their convolution and recurrent states."""
-    found: list[torch.Tensor] = []
-    for layer in cache.layers:
-        for _, value in sorted(vars(layer).items()):
-            if isinstance(value, dict):
-                value = list(value.values())
-            items = value if isinstance(value, (list, tuple)) else [value]
-            found.extend(t for t in items if isinstance(t, torch.Tensor))
-    return found
 
 
 def _prefilled(model: Any, prompt: torch.Tensor) -> Any:
