@@ -6,6 +6,7 @@ Backends ``eager`` and ``aot_eager`` (dynamo and AOTAutograd, which make the op 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -34,6 +35,17 @@ def _uses_collect(brk: Any) -> Any:
     return step
 
 
+def _assert_appends_as_eager(compiled: Callable[..., Any], step: Callable[..., Any]) -> None:
+    """Twice: the compiled step returns what the step does and appends the same to its list."""
+    for _ in range(2):
+        x = torch.randn(3)
+        got_store: list[torch.Tensor] = []
+        want_store: list[torch.Tensor] = []
+        assert torch.equal(compiled(x, got_store), step(x, want_store))
+        assert len(got_store) == len(want_store) == 1
+        assert torch.equal(got_store[0], want_store[0])
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_a_compiled_break_changing_a_list_or_dict_argument_changes_the_callers(
     backend: str,
@@ -46,14 +58,9 @@ def test_a_compiled_break_changing_a_list_or_dict_argument_changes_the_callers(
     count = eager_on_graph(_count_fn, name="c3.count")
     step = _uses_collect(collect)
     compiled = torch.compile(step, backend=backend)
-    for _ in range(2):
-        x = torch.randn(3)
-        got_store: list[torch.Tensor] = []
-        want_store: list[torch.Tensor] = []
-        assert torch.equal(compiled(x, got_store), step(x, want_store))
-        assert len(got_store) == len(want_store) == 1
-        assert torch.equal(got_store[0], want_store[0])
+    _assert_appends_as_eager(compiled, step)
     compiled_count = torch.compile(lambda x, s: count(x.cos(), s) + 1, backend=backend)
+    x = torch.randn(3)
     got: dict[str, Any] = {}
     compiled_count(x, got)
     compiled_count(x, got)
@@ -104,9 +111,4 @@ def test_a_break_that_reads_values_and_changes_a_list_changes_the_callers(backen
     torch._dynamo.reset()
     step = _uses_collect(_collect_values)
     compiled = torch.compile(step, backend=backend)
-    for _ in range(2):
-        x = torch.randn(3)
-        got_store: list[torch.Tensor] = []
-        want_store: list[torch.Tensor] = []
-        assert torch.equal(compiled(x, got_store), step(x, want_store))
-        assert len(got_store) == len(want_store) == 1
+    _assert_appends_as_eager(compiled, step)

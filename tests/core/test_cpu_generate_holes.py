@@ -7,6 +7,7 @@ result equals plain transformers'."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -121,6 +122,39 @@ def closure_graphed(model: Any, cache: Any) -> BreakableGraphRunner:
     return runner
 
 
+def assert_beam_search_graphed_equals_plain(
+    make_model: Callable[[], Any], new_tokens: int, beams: int
+) -> None:
+    """``generate(num_beams=beams)`` over a StaticCache three ways (plain, the README's recipe
+    closing over the cache, a runner over ``model.forward`` with the cache an argument):
+    sequences and scores bitwise equal, every decode step after the first a replay."""
+    prompt = torch.randint(4, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    results = []
+    for graphs in ("", "closure", "argument"):
+        model = make_model()
+        cache = transformers.StaticCache(config=model.config, max_cache_len=48)
+        runner = None
+        if graphs == "closure":
+            runner = closure_graphed(model, cache)
+        elif graphs == "argument":
+            runner = graphed_forward(model)
+        with torch.no_grad():
+            out = model.generate(
+                prompt, past_key_values=cache, max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, num_beams=beams, do_sample=False, output_scores=True,
+                return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
+            )  # fmt: skip
+        results.append((out, runner))
+    (want, _), *graphed = results
+    for got, runner in graphed:
+        assert torch.equal(got.sequences, want.sequences)
+        for a, b in zip(got.scores, want.scores, strict=True):
+            assert torch.equal(a, b)
+        assert runner is not None
+        assert not runner.blocked_signatures, list(runner.blocked_signatures.values())
+        assert (runner.stats.hits, runner.stats.misses) == (new_tokens - 1, 0)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_beam_search_through_a_graph_over_a_static_cache_equals_plain_generate(
     family: str,
@@ -131,28 +165,7 @@ def test_beam_search_through_a_graph_over_a_static_cache_equals_plain_generate(
     (beams and scores differed from plain generate). The reorder now writes its result back into
     the cache's own tensors, so replays equal plain generate; a cache passed to a runner as an
     argument (a miss at every step, the rebound tensor's new address) replays too."""
-    prompt = torch.randint(4, 128, (1, 8), generator=torch.Generator().manual_seed(1))
     name = bcg_core.breakable_attention("sdpa")
-    results = []
-    for graphs in ("", "closure", "argument"):
-        model = _windowed(family) if family == "gemma3" else _model(family, name)
-        cache = transformers.StaticCache(config=model.config, max_cache_len=48)
-        runner = None
-        if graphs == "closure":
-            runner = closure_graphed(model, cache)
-        elif graphs == "argument":
-            runner = graphed_forward(model)
-        with torch.no_grad():
-            out = model.generate(
-                prompt, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, num_beams=3,
-                do_sample=False, output_scores=True, return_dict_in_generate=True,
-                pad_token_id=0, eos_token_id=None,
-            )  # fmt: skip
-        results.append((out, runner))
-    (want, _), *graphed = results
-    for got, runner in graphed:
-        assert torch.equal(got.sequences, want.sequences)
-        for a, b in zip(got.scores, want.scores, strict=True):
-            assert torch.equal(a, b)
-        assert runner is not None
-        assert (runner.stats.hits, runner.stats.misses) == (11, 0)
+    assert_beam_search_graphed_equals_plain(
+        lambda: _windowed(family) if family == "gemma3" else _model(family, name), 12, 3
+    )

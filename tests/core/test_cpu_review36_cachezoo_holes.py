@@ -15,7 +15,7 @@ import bcg_core
 transformers = pytest.importorskip(
     "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
 )
-from test_cpu_generate_holes import closure_graphed, graphed_forward  # noqa: E402
+from test_cpu_generate_holes import assert_beam_search_graphed_equals_plain  # noqa: E402
 from test_cpu_transformers_families import SMALL  # noqa: E402
 from transformers import CONFIG_MAPPING  # noqa: E402
 
@@ -55,28 +55,4 @@ def test_beam_search_over_linear_attention_cache_layers_equals_plain_generate(
     ``StaticSlidingWindowLayer``) kept its Python int position in the signature of a cache passed
     as an argument (only the exact class was left unwalked): every decode step was a miss, run
     eagerly."""
-    prompt = torch.randint(4, 128, (1, 8), generator=torch.Generator().manual_seed(1))
-    results = []
-    for graphs in ("", "closure", "argument"):
-        model = _linear_model(family)
-        cache = transformers.StaticCache(config=model.config, max_cache_len=48)
-        runner = None
-        if graphs == "closure":
-            runner = closure_graphed(model, cache)
-        elif graphs == "argument":
-            runner = graphed_forward(model)
-        with torch.no_grad():
-            out = model.generate(
-                prompt, past_key_values=cache, max_new_tokens=8, min_new_tokens=8, num_beams=2,
-                do_sample=False, output_scores=True, return_dict_in_generate=True,
-                pad_token_id=0, eos_token_id=None,
-            )  # fmt: skip
-        results.append((out, runner))
-    (want, _), *graphed = results
-    for got, runner in graphed:
-        assert torch.equal(got.sequences, want.sequences)
-        for a, b in zip(got.scores, want.scores, strict=True):
-            assert torch.equal(a, b)
-        assert runner is not None
-        assert not runner.blocked_signatures, list(runner.blocked_signatures.values())
-        assert (runner.stats.hits, runner.stats.misses) == (7, 0)
+    assert_beam_search_graphed_equals_plain(lambda: _linear_model(family), 8, 2)
