@@ -288,6 +288,16 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def _named_differences(where: str, outputs: tuple[Any, Any], inputs: tuple[Any, Any]) -> list[str]:
+    """The outputs and inputs (got, want) that differ, named."""
+    return [
+        f"{where}: {kind} {k}"
+        for kind, (got, want) in (("output", outputs), ("input", inputs))
+        for k, (a, b) in enumerate(zip(got, want, strict=True))
+        if not _same(a, b)
+    ]
+
+
 def _differences(program: _Program, seed: int, replays: int = 3) -> list[str]:
     """Where a hand capture's replays and a runner's calls differ from eager, for fresh input
     values each replay: every output and every input (written ones included)."""
@@ -312,32 +322,14 @@ def _differences(program: _Program, seed: int, replays: int = 3) -> list[str]:
             s.copy_(v)
         graph.replay()
         want, inputs = eager(values)
-        found += [
-            f"hand replay {r}: output {k}"
-            for k, (a, b) in enumerate(zip(out, want, strict=True))
-            if not _same(a, b)
-        ]
-        found += [
-            f"hand replay {r}: input {k}"
-            for k, (a, b) in enumerate(zip(statics, inputs, strict=True))
-            if not _same(a, b)
-        ]
+        found += _named_differences(f"hand replay {r}", (out, want), (statics, inputs))
     runner = BreakableGraphRunner(lambda *xs: _run(program, list(xs)), device="cpu")
     runner.capture(*fresh())
     for r in range(replays):
         values = fresh()
         want, inputs = eager(values)
         got = runner(*values)
-        found += [
-            f"runner call {r}: output {k}"
-            for k, (a, b) in enumerate(zip(got, want, strict=True))
-            if not _same(a, b)
-        ]
-        found += [
-            f"runner call {r}: input {k}"
-            for k, (a, b) in enumerate(zip(values, inputs, strict=True))
-            if not _same(a, b)
-        ]
+        found += _named_differences(f"runner call {r}", (got, want), (values, inputs))
     if runner.stats.hits != replays:
         found.append(f"runner: {runner.stats}")
     return found
