@@ -58,3 +58,59 @@ def test_bcg_debug_keeps_a_break_s_foreach_write_to_its_argument(
         out = runner(x, torch.full((4,), 5.0))
     assert x.tolist() == [5.0] * 4 and out.tolist() == [5.0] * 4
     assert runner.stats.hits == 1
+
+
+_HEAL_SCRIPT = """
+import functools
+import torch
+from bcg_core import BreakableCUDAGraph, BreakableCUDAGraphCapture, enable_breakable_cuda_graph
+
+def capture(fn):
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        fn()
+
+under = []
+def step():
+    # Another library patches torch.manual_seed while bcg's capture hooks are installed.
+    under.append(torch.manual_seed)
+    inner = torch.manual_seed
+    torch.manual_seed = lambda seed: inner(seed)
+    torch.ones(1) + 1
+
+capture(step)  # bcg's hook stays under their patch as a pass-through
+torch.manual_seed = under[0]  # they undo it: the pass-through is back on top
+# A third library wraps it with functools.wraps, which copies the hook's __dict__.
+wrapped = under[0]
+seen = []
+@functools.wraps(wrapped)
+def theirs(seed):
+    seen.append(seed)
+    return wrapped(seed)
+torch.manual_seed = theirs
+capture(lambda: torch.ones(1) + 1)
+assert torch.manual_seed is theirs, torch.manual_seed
+torch.manual_seed(3)
+assert seen == [3] and torch.initial_seed() == 3
+print("ok")
+"""
+
+
+def test_a_functools_wraps_copy_of_a_retired_hook_does_not_hang_the_next_capture() -> None:
+    # hook_attribute heals a retired pass-through found back on top by calling its
+    # _bcg_unhook until none is left; functools.wraps copies that attribute onto another
+    # library's wrapper, whose restore then did nothing, so the loop spun for ever.
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _HEAL_SCRIPT],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the capture after a functools.wraps copy of a retired hook hung")
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
