@@ -114,3 +114,26 @@ def test_a_functools_wraps_copy_of_a_retired_hook_does_not_hang_the_next_capture
     except subprocess.TimeoutExpired:
         pytest.fail("the capture after a functools.wraps copy of a retired hook hung")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_a_model_defined_static_layer_is_reordered_in_place() -> None:
+    # The reorder patch found the StaticLayer subclasses overriding reorder_cache in
+    # transformers' cache_utils only: a model file's own (MiniMax M3 VL's sparse layer rebinds
+    # idx_keys after StaticLayer's reorder) left a graph over the cache reading a stale index
+    # cache after the first beam reorder, silently. (The module's import comes after
+    # breakable_attention(), as a model's does in from_pretrained.)
+    cache_utils = pytest.importorskip("transformers.cache_utils")
+    import bcg_core
+
+    bcg_core.breakable_attention()  # installs the reorder patch
+    minimax = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
+    layer = minimax.MiniMaxM3VLSparseStaticCacheLayer(max_cache_len=4)
+    kv = torch.arange(2 * 1 * 2 * 3, dtype=torch.float32).reshape(2, 1, 2, 3)
+    layer.update(kv, kv.clone())
+    layer.update_index(torch.arange(2 * 1 * 2 * 3, dtype=torch.float32).reshape(2, 1, 2, 3))
+    held = {name: getattr(layer, name) for name in ("keys", "values", "idx_keys")}
+    expected = {name: t.flip(0) for name, t in held.items()}
+    cache_utils.Cache(layers=[layer]).reorder_cache(torch.tensor([1, 0]))  # as generate does
+    for name, t in held.items():
+        assert getattr(layer, name) is t, name  # the captured tensor, at its address
+        assert torch.equal(t, expected[name]), name
