@@ -1,4 +1,4 @@
-"""Version bumps that a dispatch mode hides in inference mode.
+"""Version bumps that a dispatch mode hides (in inference mode, and of ``_foreach`` writes).
 
 Under a Python dispatch mode in inference mode, a composite view op (``x.reshape(-1)``) reaches
 the mode whole and makes its view below the ADInplaceOrView key, so the view shares no version
@@ -6,6 +6,10 @@ counter with ``x``: a write through it (``x.reshape(-1)[:1] = v``) left ``x._ver
 was, and a runner, which finds the arguments a step writes by their versions, never copied the
 write back to the caller. Both of bcg's modes that run user ops (the CPU backend's recorder and
 the debug check's tracker) keep an :class:`InferenceViews` and bump the viewed tensor's version.
+
+In any grad mode, an op writing a list of tensors (``torch._foreach_add_([x], ...)``) under such a
+mode bumps none of their versions (its kernel writes each tensor below the ADInplaceOrView key,
+which bumps them without a mode): :meth:`InferenceViews.bump` bumps them too.
 """
 
 from __future__ import annotations
@@ -44,15 +48,26 @@ class InferenceViews:
                 self._aliases[o] = base
 
     def bump(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Bump the version of the tensor each view written by ``func`` views."""
-        if self._aliases is None:
-            return
+        """Bump the version of each tensor of a list ``func`` writes, and of the tensor each
+        view written by ``func`` views. Call it after every mutating op, in any grad mode."""
         for i, a in enumerate(func._schema.arguments):
             if a.alias_info is None or not a.alias_info.is_write:
                 continue
-            t = args[i] if i < len(args) else kwargs.get(a.name)
-            # A chain ends: each view is noted once, when made, after the tensor it views.
-            while isinstance(t, torch.Tensor) and (base := self._aliases.get(t)) is not None:
-                t = base
-                if not t.is_inference():
-                    torch.autograd.graph.increment_version(t)
+            arg = args[i] if i < len(args) else kwargs.get(a.name)
+            if isinstance(arg, torch.Tensor):
+                written = [arg]  # its version bumped by torch, above the mode
+            elif isinstance(arg, (list, tuple)):
+                written = [t for t in arg if isinstance(t, torch.Tensor)]
+                for t in written:
+                    if not t.is_inference():
+                        torch.autograd.graph.increment_version(t)
+            else:
+                continue
+            if self._aliases is None:
+                continue
+            for t in written:
+                # A chain ends: each view is noted once, when made, after the tensor it views.
+                while (base := self._aliases.get(t)) is not None:
+                    t = base
+                    if not t.is_inference():
+                        torch.autograd.graph.increment_version(t)

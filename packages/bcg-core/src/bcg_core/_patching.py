@@ -290,8 +290,11 @@ def hook_attribute(target: Any, name: str, make: Wrap) -> Callable[[], None]:
     Returns:
         The remover (call it once the hook is no longer wanted).
     """
+    # Only while a restore takes effect: functools.wraps copies _bcg_unhook onto another
+    # library's wrapper of the pass-through, whose restore does nothing (the loop spun).
     while (retired := getattr(vars(target).get(name), "_bcg_unhook", None)) is not None:
-        retired()
+        if not retired():
+            break
     own = vars(target).get(name, _ABSENT)
     current = getattr(target, name)
     hooked = make(current)
@@ -305,13 +308,14 @@ def hook_attribute(target: Any, name: str, make: Wrap) -> Callable[[], None]:
             setattr(hook, attr, getattr(hooked, attr))
     setattr(target, name, hook)
 
-    def restore() -> None:
+    def restore() -> bool:
         if vars(target).get(name, _ABSENT) is not hook:
-            return  # patched over: left in place as a pass-through (see above)
+            return False  # patched over: left in place as a pass-through (see above)
         if own is _ABSENT:
             delattr(target, name)
         else:
             setattr(target, name, own)
+        return True
 
     def remove() -> None:
         if not active[0]:

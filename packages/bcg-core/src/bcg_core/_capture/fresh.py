@@ -88,7 +88,8 @@ class FreshTensorTracker(torch.utils._python_dispatch.TorchDispatchMode):  # typ
         self._token: Any = None
         # In inference mode a view this mode sees made shares no version counter with its
         # base: a break writing its argument through one (x.reshape(-1)[:1] = v) was not
-        # copied back to the caller by a runner under the debug check alone.
+        # copied back to the caller by a runner under the debug check alone; nor, in any grad
+        # mode, a write through a _foreach op, which bumps no version under a mode.
         self._views = InferenceViews()
 
     def __enter__(self) -> FreshTensorTracker:
@@ -109,10 +110,10 @@ class FreshTensorTracker(torch.utils._python_dispatch.TorchDispatchMode):  # typ
     ) -> Any:
         fresh = _fresh_returns(func)
         out = self._run(func, args, kwargs or {}, inside=fresh is None)
-        if torch.is_inference_mode_enabled() and hasattr(func, "_schema"):
+        if hasattr(func, "_schema"):
             if func._schema.is_mutable:
                 self._views.bump(func, args, kwargs or {})
-            else:
+            elif torch.is_inference_mode_enabled():
                 operands = tensor_leaves((args, kwargs), into_objects=False)
                 self._views.note(tensor_leaves(out, into_objects=False), operands)
         if fresh is None:  # no schema to trust: compare with the inputs' storages

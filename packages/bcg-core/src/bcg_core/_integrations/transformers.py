@@ -76,7 +76,7 @@ def breakable_attention(base: str = "sdpa") -> str:
     before the capture, in any model (its ``torch.cat`` growth would replay the capture's
     context; see ``dynamic_cache.py``).
     A ``StaticCache`` reordered for beam search (the ``reorder_cache`` of ``StaticLayer``,
-    ``StaticIndexedLayer`` and the linear-attention layers) is reordered
+    ``StaticIndexedLayer``, the linear-attention layers and a model's own subclasses) is reordered
     in place, so a graph over it reads the reordered cache (see ``static_cache.py``).
 
     Args:
