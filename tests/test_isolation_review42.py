@@ -4,11 +4,14 @@ start from a clean state (the guard undoes what it can)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import gc
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -129,3 +132,23 @@ def test_a_capture_keeps_a_patch_of_gc_enable_made_after_bcg_was_imported(
     assert calls == ["disable"] and not gc.isenabled()
     gc.enable()
     assert gc.isenabled()
+
+
+def test_a_routed_warm_up_closed_in_another_context_releases_its_count() -> None:
+    """BreakableCUDAGraph.warmup() held across a yield (an async generator the event loop
+    finalises in another task) left routed_warmup() in another context than it was entered in:
+    its reset of the context variable raised a raw ValueError before the process-wide count of
+    open warm-ups was decremented, so every eager break afterwards looked for a warm-up's pool
+    for good. (Routing happens on CUDA only, so the block is driven directly here.)"""
+    from bcg_core._capture import context  # noqa: PLC2701
+
+    def warming_up() -> Iterator[None]:
+        with context.routed_warmup(contextlib.nullcontext):
+            yield
+
+    block = warming_up()
+    contextvars.copy_context().run(next, block)
+    assert context._routed_warmups == 1
+    contextvars.copy_context().run(block.close)  # another context, as a finaliser's
+    assert context._routed_warmups == 0
+    assert context.warmup_outside_pool() is None
