@@ -22,6 +22,7 @@ from bcg_core import (
     is_in_breakable_cuda_graph,
 )
 from bcg_core._backends import backend_for  # noqa: PLC2701
+from bcg_core._backends.cpu import _CURRENT as _CURRENT_CPU_STREAM  # noqa: PLC2701
 from bcg_core._capture.context import active_capture  # noqa: PLC2701
 from bcg_core._capture.streams import hooks_installed  # noqa: PLC2701
 
@@ -38,9 +39,14 @@ _LEFT_OPEN: list[object] = []
 @pytest.fixture(autouse=True)
 def _close_left_open_blocks() -> object:
     # A runner's failed capture runs the step eagerly, where the stream-switching break leaves
-    # its side stream current as it would without bcg: close it after the test.
+    # its side stream current as it would without bcg: close it after the test. A block
+    # entered in a bare capture's break (the capture made its stream current again) puts back
+    # the stream of that break when closed this late: the CPU stream is then set back to what
+    # it was before the test, which the tests after it would otherwise capture on.
+    token = _CURRENT_CPU_STREAM.set(_CURRENT_CPU_STREAM.get())
     yield
     _close_blocks()
+    _CURRENT_CPU_STREAM.reset(token)
 
 
 def _close_blocks() -> None:

@@ -184,7 +184,9 @@ def routed_warmup(outside: OutsidePool) -> Iterator[None]:
     try:
         yield
     finally:
-        _OUTSIDE_POOL.reset(token)
+        # reset_var: a warm-up held across a yield can be left in another context, where a
+        # raw reset raised before the count was released (every break then looked for a pool).
+        reset_var(token)
         with _warmup_lock:
             _routed_warmups -= 1
 
@@ -202,4 +204,4 @@ def outside_pool(outside: OutsidePool) -> Iterator[None]:
         with outside():
             yield
     finally:
-        _OUTSIDE_POOL.reset(token)
+        reset_var(token)

@@ -9,7 +9,8 @@ threads share one count, under a lock); the garbage is collected by the next aut
 collection after capture. An explicit ``gc.collect()`` in user code still runs.
 
 While paused, ``gc.disable`` and ``gc.enable`` are replaced (installed with the first open
-capture, always removed with the last) by functions that only note what the user asked for:
+capture, always removed with the last, by ``hook_attribute``: a patch of them made after bcg's
+import is theirs again afterwards) by functions that only note what the user asked for:
 at the end the collector is left exactly as the user last set it, so a ``gc.disable()`` made
 inside a capture stays, and a ``gc.enable()`` made there takes effect once no capture is open.
 """
@@ -18,13 +19,16 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+from bcg_core._patching import hook_attribute
 
 _lock = threading.Lock()
 _open = 0  # captures holding the pause
 _wanted = True  # the collector's state as the user last set it
-_enable, _disable = gc.enable, gc.disable
+_enable, _disable = gc.enable, gc.disable  # the collector's own switches
+_removers: list[Callable[[], None]] = []  # the hooks of gc.enable/gc.disable while paused
 
 
 def _user_enable() -> None:
@@ -46,7 +50,10 @@ def gc_paused() -> Iterator[None]:
         if _open == 0:
             _wanted = gc.isenabled()
             _disable()
-            gc.enable, gc.disable = _user_enable, _user_disable
+            # Hooked, not assigned: restoring the import-time functions at the end dropped a
+            # patch of them made since (another library's, a test's monkeypatch).
+            _removers.append(hook_attribute(gc, "enable", lambda _: _user_enable))
+            _removers.append(hook_attribute(gc, "disable", lambda _: _user_disable))
         _open += 1
     try:
         yield
@@ -54,6 +61,7 @@ def gc_paused() -> Iterator[None]:
         with _lock:
             _open -= 1
             if _open == 0:
-                gc.enable, gc.disable = _enable, _disable
+                while _removers:
+                    _removers.pop()()
                 if _wanted:
                     _enable()
