@@ -63,7 +63,13 @@ def test_g_leaves_the_recorder_hooks_installed():
 def _run(tmp_path: Path) -> str:
     shutil.copy(_CONFTEST, tmp_path / "conftest.py")
     (tmp_path / "test_leaky.py").write_text(_LEAKY)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    # The packages' sources and the installed ones, not this process's whole sys.path: other
+    # tests put folders on it (bcg check adds its target's), one with a random.py shadowing
+    # the standard library's.
+    root = _CONFTEST.parent.parent
+    sources = [root / "packages" / name / "src" for name in ("bcg-core", "bcg-diffusion")]
+    path = [str(p) for p in sources] + [os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "test_leaky.py"],
         cwd=tmp_path,
