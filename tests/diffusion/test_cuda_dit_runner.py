@@ -32,9 +32,21 @@ def model() -> ToyDiT:
     return ToyDiT(CFG).cuda().eval()
 
 
+_RUNNERS: list[DiTRunner] = []
+
+
+def _runner(model: Any, **options: Any) -> DiTRunner:
+    """A DiTRunner closed after the test (closing releases its attention patch)."""
+    runner = DiTRunner(model, **options)
+    _RUNNERS.append(runner)
+    return runner
+
+
 @pytest.fixture(autouse=True)
 def _unpatch() -> Any:
     yield
+    while _RUNNERS:
+        _RUNNERS.pop().close()
     uninstall_breakable_attention(DiTSelfAttention, DiTSelfAttentionLSE)
 
 
@@ -50,7 +62,7 @@ def test_runner_equals_eager_for_three_signatures(lse: bool) -> None:
     torch.manual_seed(0)
     model = ToyDiT(DiTConfig(hidden=128, depth=3, heads=4, text_dim=64, lse_attention=lse))
     model = model.cuda().eval()
-    runner = DiTRunner(model, attention_classes=(DiTSelfAttention, DiTSelfAttentionLSE))
+    runner = _runner(model, attention_classes=(DiTSelfAttention, DiTSelfAttentionLSE))
     shapes = [(16, 8), (32, 8), (16, 16)]
     with torch.no_grad():
         for res, prompt in shapes:
@@ -67,7 +79,7 @@ def test_runner_equals_eager_for_three_signatures(lse: bool) -> None:
 
 
 def test_cfg_two_calls_share_one_entry_and_both_stay_valid(model: ToyDiT) -> None:
-    runner = DiTRunner(model, attention_classes=(DiTSelfAttention,))
+    runner = _runner(model, attention_classes=(DiTSelfAttention,))
     latents, t, cond = _inputs(16, 8)
     uncond = torch.zeros_like(cond)
     with torch.no_grad():
@@ -83,7 +95,7 @@ def test_cfg_two_calls_share_one_entry_and_both_stay_valid(model: ToyDiT) -> Non
 
 
 def test_cpu_timestep_gets_a_device_buffer(model: ToyDiT) -> None:
-    runner = DiTRunner(model, attention_classes=(DiTSelfAttention,))
+    runner = _runner(model, attention_classes=(DiTSelfAttention,))
     latents, _, text = _inputs(16, 8)
     with torch.no_grad():
         runner.capture(latents, torch.tensor([999.0]), text)
@@ -114,7 +126,7 @@ class _CachingAttention(DiTSelfAttention):
 def test_replay_tokens_fresh_per_replay_and_shared_by_all_breaks(model: ToyDiT) -> None:
     for block in model.blocks:
         block.attn.__class__ = _CachingAttention
-    runner = DiTRunner(model, attention_classes=(_CachingAttention,))
+    runner = _runner(model, attention_classes=(_CachingAttention,))
     args = _inputs(16, 8)
     with torch.no_grad():
         runner.capture(*args)
@@ -132,7 +144,7 @@ def test_replay_tokens_fresh_per_replay_and_shared_by_all_breaks(model: ToyDiT) 
 
 
 def test_eviction_returns_memory(model: ToyDiT) -> None:
-    runner = DiTRunner(model, attention_classes=(DiTSelfAttention,), max_entries=1)
+    runner = _runner(model, attention_classes=(DiTSelfAttention,), max_entries=1)
     with torch.no_grad():  # first capture: cuBLAS workspaces for the runner's stream, kept
         runner.capture(*_inputs(16, 4))
     runner.reset()
@@ -164,7 +176,7 @@ class _SyncingDiT(ToyDiT):
 
 def test_failed_capture_blocks_signature_and_falls_back(caplog: pytest.LogCaptureFixture) -> None:
     model = _SyncingDiT(CFG).cuda().eval()
-    runner = DiTRunner(model, attention_classes=(DiTSelfAttention,))
+    runner = _runner(model, attention_classes=(DiTSelfAttention,))
     args = _inputs(16, 8)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="bcg_core"):
         bad = runner.capture(*args, sync=True)
@@ -183,7 +195,7 @@ def test_failed_capture_blocks_signature_and_falls_back(caplog: pytest.LogCaptur
 def test_serving_miss_never_captures_and_is_diagnosed_once(
     model: ToyDiT, caplog: pytest.LogCaptureFixture
 ) -> None:
-    runner = DiTRunner(model, attention_classes=(DiTSelfAttention,))
+    runner = _runner(model, attention_classes=(DiTSelfAttention,))
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="bcg_core"):
         runner.capture(*_inputs(16, 8))
         for _ in range(2):
@@ -196,7 +208,7 @@ def test_serving_miss_never_captures_and_is_diagnosed_once(
 
 
 def test_prompt_padding_hits_captured_bucket(model: ToyDiT) -> None:
-    runner = DiTRunner(model, attention_classes=(DiTSelfAttention,))
+    runner = _runner(model, attention_classes=(DiTSelfAttention,))
     buckets = [8, 16]
     latents, t, _ = _inputs(16, 8)
     with torch.no_grad():
