@@ -5,7 +5,6 @@ present, on CUDA graphs, with the same assertions."""
 from __future__ import annotations
 
 import contextvars
-import gc
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -188,11 +187,6 @@ def bcg_leaks(
             if undo and before is not _ABSENT:
                 setattr(_owner(owner), name, before)
     new_slots = _patched_slots() - slots
-    if new_slots:
-        # A runner dropped without close() releases its patches when it is collected: a cycle
-        # (CUDA graphs, their pools) may hold it until the collector runs; not a leak then.
-        gc.collect()
-        new_slots = _patched_slots() - slots
     if new_slots:
         leaks.append(f"bcg patches left installed (unreleased PatchHandles): {len(new_slots)}")
     now_modes = _torch_modes()
