@@ -246,6 +246,12 @@ class CaptureState:
         pooling = bool(self.backend.alias_device_types)
         debugging = self.debug is not DebugLevel.OFF
         given = argument_tensors((args, kwargs)) if debugging else []
+        # The arguments it writes in place are graph memory, as its outputs are (the CPU
+        # backend's 0-dim rule: a later segment's scalar[0] of a buffer the break fills is
+        # re-read at replay, as on CUDA). Inference tensors keep no version: not noted.
+        versions = [
+            (t, t._version) for t in argument_tensors((args, kwargs)) if not t.is_inference()
+        ]
         layouts = argument_layouts((args, kwargs))
         refuse_iterators(name, args, kwargs)
         modes = current_modes()  # what the code around the break set up (autocast, inference)
@@ -323,7 +329,8 @@ class CaptureState:
                 if routed:
                     output, in_pool = copy_into_pool(output, made)
         bridge = Bridge(name, output, in_pool, (args, kwargs))
-        self.backend.note_graph_memory(self.pool, bridge.tensors)
+        written = [t for t, version in versions if t._version != version]
+        self.backend.note_graph_memory(self.pool, [*bridge.tensors, *written])
         self.steps.append(
             BreakStep(
                 name=name,

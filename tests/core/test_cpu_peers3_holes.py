@@ -1,0 +1,63 @@
+"""Holes found by porting, to bcg's API on the CPU backend, behaviours that sglang's, vLLM's and
+Meta's breakable / piecewise CUDA graph test suites check and that the earlier ports
+(test_cpu_peers_holes.py, test_cpu_peers2_holes.py) did not cover, each pinned by a test that
+failed before its fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    ReplayError,
+    eager_on_graph,
+    enable_breakable_cuda_graph,
+)
+
+# -- a later segment reading a 0-dim element of a buffer a break wrote ----------------------------
+
+
+@eager_on_graph(strict=True, name="peers3.sum_into")
+def _sum_into(src: torch.Tensor, dst: torch.Tensor) -> None:
+    dst.copy_(src.sum().unsqueeze(0))
+
+
+def test_a_scalar_a_break_writes_into_its_argument_is_reread_at_replay() -> None:
+    # Meta's package reduces into a one-element buffer in a break and fills with buffer[0] in
+    # the next segment. With the buffer passed to the break (the strict=True pattern), the CPU
+    # backend took buffer[0] for a 0-dim operand from outside the graph (only a break's
+    # returned outputs counted as graph memory) and refused the second replay, telling the
+    # user to "pass it through a break", which the value already was. On CUDA it is re-read.
+    n = 4
+    a, b, total = torch.ones(n, n), torch.empty(n, n), torch.empty(1)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        b.copy_(a * 2)
+        _sum_into(b, total)
+        b.fill_(total[0])
+    for value in (1.0, 3.0, 0.5):
+        a.fill_(value)
+        graph.replay()
+        assert torch.equal(total, torch.tensor([value * 2 * n * n]))
+        assert torch.equal(b, torch.full((n, n), value * 2 * n * n))
+
+
+def test_a_scalar_from_outside_the_graph_is_still_refused_when_it_changes() -> None:
+    # The fix notes what a break *wrote*, not every argument: a 0-dim tensor the break only
+    # reads stays outside the graph, and its change still refuses the segment reading it
+    # (CUDA bakes a 0-dim CPU operand).
+    sigma, x, out = torch.tensor(2.0), torch.ones(3), torch.empty(3)
+
+    @eager_on_graph(name="peers3.reads_sigma")
+    def reads_sigma(s: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(x * s)
+
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        reads_sigma(sigma, out)
+        out.mul_(sigma)
+    sigma.fill_(3.0)
+    with pytest.raises(ReplayError, match="0-dim"):
+        graph.replay()
