@@ -61,3 +61,24 @@ def test_a_scalar_from_outside_the_graph_is_still_refused_when_it_changes() -> N
     sigma.fill_(3.0)
     with pytest.raises(ReplayError, match="0-dim"):
         graph.replay()
+
+
+# -- a capture of a loss warns nothing that eager does not ---------------------------------------
+
+
+def test_capturing_an_mse_loss_warns_nothing(recwarn: pytest.WarningsRecorder) -> None:
+    # Meta's drop-in tests capture a whole training step with nn.MSELoss. The CPU recorder
+    # tried mse_loss's out= overload on an output shaped like the result, which that overload
+    # resizes (it uses its output as the elementwise scratch first): torch's deprecation
+    # warning "An output with one or more elements was resized" was raised at the user's
+    # F.mse_loss line, where eager warns nothing (and under -W error the capture failed).
+    x, t = torch.randn(6, 4), torch.randn(6, 4)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        loss = torch.nn.functional.mse_loss(x * 2, t)
+    assert [str(w.message) for w in recwarn] == []
+    for _ in range(2):
+        x.copy_(torch.randn(6, 4))
+        t.copy_(torch.randn(6, 4))
+        graph.replay()
+        assert torch.equal(loss, torch.nn.functional.mse_loss(x * 2, t))

@@ -413,6 +413,18 @@ def _like(obj: Any) -> Any:
     return [_like(x) for x in obj]
 
 
+def _empty_like(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return torch.empty(0, dtype=obj.dtype, device=obj.device)
+    return [_empty_like(x) for x in obj]
+
+
+def _holds_more_than_its_layout(t: torch.Tensor) -> bool:
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.size(), t.stride(), strict=True))
+    need = (t.storage_offset() + span) * t.element_size() if t.numel() else 0
+    return bool(t.untyped_storage().nbytes() > need)
+
+
 def _out_variant_step(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
 ) -> Step | None:
@@ -431,6 +443,17 @@ def _out_variant_step(
     if len(returns) != len(names):
         return None
     if not all(isinstance(r, (torch.Tensor, list)) for r in returns):
+        return None
+    # An overload that first uses its output as a larger scratch (mse_loss.out) resizes an
+    # output shaped like the result, and torch's deprecation warning about that surfaced at
+    # the user's line (C++ warnings reach Python only there), where eager warns nothing. An
+    # empty output grows silently, and the storage it is left with tells.
+    empty = [_empty_like(r) for r in returns]
+    try:
+        overload._op(*args, **kwargs, **dict(zip(names, empty, strict=True)))
+    except Exception:
+        return None
+    if any(map(_holds_more_than_its_layout, _tensors(empty))):
         return None
     scratch = [_like(r) for r in returns]
     before = [(_storage_ptr(t), t.stride()) for t in _tensors(scratch)]
