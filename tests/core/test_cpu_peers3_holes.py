@@ -12,8 +12,10 @@ from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
     ReplayError,
+    describe_difference,
     eager_on_graph,
     enable_breakable_cuda_graph,
+    signature_of,
 )
 
 # -- a later segment reading a 0-dim element of a buffer a break wrote ----------------------------
@@ -82,3 +84,22 @@ def test_capturing_an_mse_loss_warns_nothing(recwarn: pytest.WarningsRecorder) -
         t.copy_(torch.randn(6, 4))
         graph.replay()
         assert torch.equal(loss, torch.nn.functional.mse_loss(x * 2, t))
+
+
+# -- describe_difference given one signature for the list -----------------------------------------
+
+
+def test_describe_difference_given_one_signature_for_the_list_says_so() -> None:
+    # sglang's diffusion runner tests explain a video's temporal-only shape miss against the
+    # captured signatures. Passing the captured signature itself, not a list of it, failed with
+    # a raw "too many values to unpack (expected 3)" from bcg's tree code.
+    def video(frames: int) -> dict[str, torch.Tensor]:
+        return {"hidden_states": torch.zeros(1, 16, frames, 6, 10), "timestep": torch.zeros(1)}
+
+    serving, captured = signature_of((), video(5)), signature_of((), video(21))
+    with pytest.raises(TypeError, match=r"pass \[other\]"):
+        describe_difference(serving, captured)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="an item of others is int"):
+        describe_difference(serving, [captured, 3])  # type: ignore[list-item]
+    text = describe_difference(serving, [captured])
+    assert "[1, 16, 5, 6, 10]" in text and "[1, 16, 21, 6, 10]" in text

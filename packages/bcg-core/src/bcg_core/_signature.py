@@ -475,7 +475,21 @@ def describe_difference(sig: Signature, others: list[Signature]) -> str:
         ``"; "``, each with its value and the captured one (the first 8, then ``"... and N
         more"``); ``"no signature has been captured yet"`` when ``others`` is empty, and ``"no
         field differs: a captured signature is this one"`` when ``sig`` is among them.
+
+    Raises:
+        TypeError: ``sig`` or an item of ``others`` is not a signature (one signature passed
+            for ``others`` says to wrap it in a list).
     """
+    # One signature passed for the list (its tree spec taken for a signature) failed with a raw
+    # "too many values to unpack" deep in the tree code.
+    hint = " (pass [other], a list, to compare with one)" if _is_signature(others) else ""
+    others = list(others)
+    for what, value in (("sig", sig), *(("an item of others", o) for o in others)):
+        if not _is_signature(value):
+            raise TypeError(
+                f"describe_difference takes signatures from signature_of; {what} is "
+                f"{type(value).__name__}{hint}"
+            )
     if not others:
         return "no signature has been captured yet"
     best: list[str] | None = None
@@ -497,6 +511,17 @@ def describe_difference(sig: Signature, others: list[Signature]) -> str:
     if not best:  # it was "", which reads as a missing explanation
         return "no field differs: a captured signature is this one"
     return _joined(best, "; ")
+
+
+def _is_signature(value: Any) -> bool:
+    """Whether ``value`` has the form :func:`signature_of` returns: (tree spec, leaves)."""
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], tuple)
+        and len(value[0]) == 3
+        and isinstance(value[1], tuple)
+    )
 
 
 def _hint(mine: Any, theirs: Any) -> str:
