@@ -103,3 +103,25 @@ def test_describe_difference_given_one_signature_for_the_list_says_so() -> None:
         describe_difference(serving, [captured, 3])  # type: ignore[list-item]
     text = describe_difference(serving, [captured])
     assert "[1, 16, 5, 6, 10]" in text and "[1, 16, 21, 6, 10]" in text
+
+
+def test_a_scalar_a_break_writes_from_its_closure_is_refused_with_the_way_out() -> None:
+    # Meta's exact pattern: the break fills the buffer it closes over. The CPU backend cannot
+    # see that write (only arguments and returns), so it still refuses the ambiguous 0-dim read;
+    # its advice, "pass it through a break", read as already done: it now names the two ways
+    # the backend sees (return it, or pass the buffer as an argument the break writes).
+    n = 4
+    a, b, total = torch.ones(n, n), torch.empty(n, n), torch.empty(1)
+
+    @eager_on_graph(name="peers3.sum_closure")
+    def sum_closure() -> None:
+        total.copy_(b.sum().unsqueeze(0))
+
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        b.copy_(a * 2)
+        sum_closure()
+        b.fill_(total[0])
+    a.fill_(3.0)
+    with pytest.raises(ReplayError, match="an argument it writes"):
+        graph.replay()

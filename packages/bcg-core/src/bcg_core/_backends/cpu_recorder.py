@@ -523,7 +523,9 @@ class HostScalar:
             return
         raise ReplayError(
             "keep a value that changes between replays in a device tensor of shape (1,) copied "
-            "in before replay, pass it through a break, or capture again after changing it: "
+            "in before replay, pass it through a break (its return value, or an argument it "
+            "writes: a tensor the break writes from its closure is not seen), or capture again "
+            "after changing it: "
             f"{self.op} in a CPU graph segment read a 0-dim tensor from outside the graph whose "
             f"value changed since capture ({self.value.item()} -> {self.live.item()}). A CUDA "
             "graph bakes a 0-dim CPU operand into the kernel (replay keeps the old value) but "
