@@ -7,7 +7,6 @@ import functools
 import importlib
 import inspect
 import logging
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -130,7 +129,7 @@ class DiTRunner(BreakableGraphRunner):
             raise
         if breakable_attention is not None:
             patches.append(breakable_attention)
-        counting = _count_hook_changes()
+        counting = _count_hook_changes(model)
         if counting is not None:
             patches.append(counting)
         self._patches: list[PatchHandle] = patches
@@ -460,10 +459,13 @@ def _counting(method: Callable[..., Any]) -> Callable[..., Any]:
     return counted
 
 
-def _count_hook_changes() -> PatchHandle | None:
-    """Patch diffusers' HookRegistry to count hook changes (None without diffusers)."""
-    if "diffusers" not in sys.modules:
-        return None  # no diffusers model, no diffusers hook
+def _count_hook_changes(model: Callable[..., Any]) -> PatchHandle | None:
+    """Patch diffusers' HookRegistry to count hook changes; None for a model that is no
+    diffusers model (no patch, nothing to release: a toy model's runner never closed leaves
+    diffusers alone)."""
+    target = _hooked_module(model)
+    if target is None or not type(target).__module__.startswith("diffusers."):
+        return None
     try:
         registry = importlib.import_module("diffusers.hooks.hooks").HookRegistry
     except (ImportError, AttributeError):
