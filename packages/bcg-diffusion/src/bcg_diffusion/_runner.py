@@ -464,7 +464,10 @@ def _count_hook_changes(model: Callable[..., Any]) -> PatchHandle | None:
     diffusers model (no patch, nothing to release: a toy model's runner never closed leaves
     diffusers alone)."""
     target = _hooked_module(model)
-    if target is None or not type(target).__module__.startswith("diffusers."):
+    # (Its modules, not its class: a torch.compile(model) is torch's module around it.)
+    if target is None or not any(
+        type(sub).__module__.startswith("diffusers.") for sub in target.modules()
+    ):
         return None
     try:
         registry = importlib.import_module("diffusers.hooks.hooks").HookRegistry
