@@ -107,3 +107,26 @@ def test_a_graph_captured_under_layer_skip_hooks_is_not_replayed_without_them() 
     from diffusers.hooks.hooks import HookRegistry as Registry
 
     assert not hasattr(Registry.register_hook, "__wrapped__")  # close() released the patch
+
+
+def test_layer_skip_hooks_are_seen_through_torch_compile() -> None:
+    """DiTRunner(torch.compile(model)): the compiled wrapper is torch's module, so the hook
+    counter must be set up from the diffusers modules inside it, not the wrapper's class."""
+    model = _flux()
+    compiled = torch.compile(model, backend="eager")
+    runner = DiTRunner(
+        compiled, breakable_attention=make_attention_ops_breakable(model), device="cpu"
+    )
+    try:
+        with torch.no_grad():
+            runner.capture(**_flux_inputs(0))
+            _skip_on(model)
+            try:
+                skipped = runner(**_flux_inputs(1)).sample
+                expected = model(**_flux_inputs(1)).sample
+            finally:
+                _skip_off(model)
+            assert torch.equal(skipped, expected), "the plain graph replayed"
+            assert (runner.stats.hits, runner.stats.misses) == (0, 1)
+    finally:
+        runner.close()
