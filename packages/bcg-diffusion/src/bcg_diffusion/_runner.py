@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import inspect
 import logging
 import threading
@@ -127,7 +129,15 @@ class DiTRunner(BreakableGraphRunner):
             raise
         if breakable_attention is not None:
             patches.append(breakable_attention)
+        counting = _count_hook_changes(model)
+        if counting is not None:
+            patches.append(counting)
         self._patches: list[PatchHandle] = patches
+        # The diffusers hooks on the model now (as of _hook_changes[0] == _hooks_seen) and
+        # when the graphs were captured (None: nothing captured since the last reset).
+        self._hooks_seen = -1
+        self._hooks_now: tuple[tuple[int, tuple[str, ...]], ...] = ()
+        self._hooks_captured: tuple[tuple[int, tuple[str, ...]], ...] | None = None
         self._breakable_attention = breakable_attention
         self._closed = False
         self._return_dict_default = _return_dict_default(model)
@@ -155,7 +165,13 @@ class DiTRunner(BreakableGraphRunner):
         """
         # The usual call has no return_dict: told without a frame before the replay's launch.
         as_tuple = "return_dict" in kwargs and self._pop_format(kwargs, args)
-        out = super().__call__(*args, **kwargs)
+        if _hook_changes[0] != self._hooks_seen:  # one int read when no hook came or went
+            self._hooks_seen = _hook_changes[0]
+            self._hooks_now = _hook_state(self.module)
+        if self._hooks_captured is not None and self._hooks_now != self._hooks_captured:
+            out = self._other_hooks(args, kwargs)
+        else:
+            out = super().__call__(*args, **kwargs)
         if not as_tuple:
             return out
         if as_tuple is True:
@@ -287,8 +303,34 @@ class DiTRunner(BreakableGraphRunner):
                 "device) to capture it, or run it without DiTRunner"
             )
         self._patch_new_attention()
+        if self._hooks_captured is None or not self.stats.entries:
+            self._hooks_seen = _hook_changes[0]
+            self._hooks_now = self._hooks_captured = _hook_state(self.module)
         with super().warmup() as runner:
             yield runner
+
+    def reset(self) -> None:
+        """Drop every graph, as :meth:`bcg_core.BreakableGraphRunner.reset` does.
+
+        The next capture window takes the model's diffusers hooks as they are then (calls
+        under other hooks than a window's run eagerly).
+
+        Raises:
+            RuntimeError: called from a break of this runner's own replay or capture (nothing
+                is reset then).
+        """
+        super().reset()
+        self._hooks_captured = None
+
+    def _other_hooks(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run eagerly (a miss) a call made under other diffusers hooks than the graphs'
+        capture: a guider's layer-skip hooks, added around its perturbed call only, changed
+        what the forward computes with the same inputs, and a replay gave the plain output."""
+        return self._eager_miss(
+            "the model carries other diffusers hooks than at capture (a guider's layer skip); "
+            "call reset() and capture again to replay under these",
+            (args, kwargs),
+        )
 
     def _patch_new_attention(self) -> None:
         """Before a capture: patch attention the model gained since its
@@ -386,21 +428,76 @@ _WEIGHT_HOOKS = frozenset(
 )
 
 
-def _diffusers_hooks(model: Callable[..., Any]) -> tuple[set[str], set[str]]:
-    """Names of the diffusers hooks on the model's modules that no graph can replay: the
-    stateful ones (``ModelHook._is_stateful``: the caches), and those that cast or move the
-    weights at every forward (:data:`_WEIGHT_HOOKS`). The model is looked through wrappers as
-    for ``return_dict`` (a bound method's module too). A closure over a model is not looked
-    into."""
+def _hooked_module(model: Callable[..., Any]) -> torch.nn.Module | None:
+    """The module whose diffusers hooks count: the model, looked through wrappers as for
+    ``return_dict`` (a bound method's module too); None for a closure over a model."""
     target: Any = model
     for _ in range(_MAX_UNWRAP):
         if isinstance(target, torch.nn.Module):
-            break
+            return target
         inner = getattr(target, "__self__", None) or getattr(target, "__wrapped__", None)
         if inner is None or inner is target:
-            return set(), set()
+            return None
         target = inner
-    if not isinstance(target, torch.nn.Module):
+    return None
+
+
+# Bumped by every HookRegistry.register_hook / remove_hook while a DiTRunner patches them (a
+# guider adds layer-skip hooks around its perturbed call and removes them after it): a call
+# reads this one int to learn that the model's hooks may have changed.
+_hook_changes = [0]
+
+
+def _counting(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _hook_changes[0] += 1
+
+    return counted
+
+
+def _count_hook_changes(model: Callable[..., Any]) -> PatchHandle | None:
+    """Patch diffusers' HookRegistry to count hook changes; None for a model that is no
+    diffusers model (no patch, nothing to release: a toy model's runner never closed leaves
+    diffusers alone)."""
+    target = _hooked_module(model)
+    # (Its modules, not its class: a torch.compile(model) is torch's module around it.)
+    if target is None or not any(
+        type(sub).__module__.startswith("diffusers.") for sub in target.modules()
+    ):
+        return None
+    try:
+        registry = importlib.import_module("diffusers.hooks.hooks").HookRegistry
+    except (ImportError, AttributeError):
+        return None
+    return PatchHandle.patch_all(
+        (registry, name, _counting) for name in ("register_hook", "remove_hook")
+    )
+
+
+def _hook_state(model: Callable[..., Any]) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """The diffusers hooks on the model: (module index, hook names) of each hooked module."""
+    target = _hooked_module(model)
+    if target is None:
+        return ()
+    state = []
+    for i, sub in enumerate(target.modules()):
+        hooks = getattr(getattr(sub, "_diffusers_hook", None), "hooks", None)
+        if hooks:
+            state.append((i, tuple(hooks)))
+    return tuple(state)
+
+
+def _diffusers_hooks(model: Callable[..., Any]) -> tuple[set[str], set[str]]:
+    """Names of the diffusers hooks on the model's modules that no graph can replay: the
+    stateful ones (``ModelHook._is_stateful``: the caches), and those that cast or move the
+    weights at every forward (:data:`_WEIGHT_HOOKS`). The model is found by
+    :func:`_hooked_module`."""
+    target = _hooked_module(model)
+    if target is None:
         return set(), set()
     stateful: set[str] = set()
     weights: set[str] = set()
