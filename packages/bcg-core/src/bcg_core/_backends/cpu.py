@@ -157,6 +157,14 @@ class CpuSegment:
 
     def capture_begin(self, pool: Any, capture_error_mode: str) -> None:
         stream = current_cpu_stream()
+        if stream is _DEFAULT_STREAM:
+            # torch's CUDAGraph.capture_begin refuses the default stream; refused here too, so
+            # code that captures on get_current_stream() fails on CPU as it will on CUDA.
+            raise CaptureError(
+                "CUDA graphs must be captured on a non-default stream, and so are CPU graphs: "
+                "leave stream=None (the pool's capture lane), or pass a stream made by "
+                "backend_for('cpu').new_stream()"
+            )
         if stream.capturing is not None:
             raise CaptureError(f"{stream!r} is already capturing")
         recorder = new_recorder(pool.graph_memory if isinstance(pool, CpuPool) else None)
