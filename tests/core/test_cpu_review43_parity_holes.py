@@ -3,12 +3,15 @@ contracts (torch's own test_graph_* cases), on the CPU graph backend."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
+    eager_on_graph,
     enable_breakable_cuda_graph,
     get_current_stream,
     is_breakable_capture_active,
@@ -37,3 +40,32 @@ def test_a_capture_on_the_default_stream_is_refused_as_on_cuda() -> None:
     x.fill_(4.0)
     graph.replay()
     assert out.tolist() == [5.0] * 3
+
+
+def test_a_capture_that_records_nothing_warns_as_torch_does() -> None:
+    # torch warns when a captured graph has no node ("The CUDA Graph is empty. This usually
+    # means that the graph was attempted to be captured on wrong device or stream"); bcg drops
+    # empty segments silently, so a CUDA graph captured over CPU tensors replayed nothing and
+    # said nothing. A capture with a break is not empty (the break runs at every replay).
+    x = torch.ones(3)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with (
+        pytest.warns(UserWarning, match="recorded no graph work and no break"),
+        enable_breakable_cuda_graph(),
+        BreakableCUDAGraphCapture(graph),
+    ):
+        x.view(-1)  # a view is no kernel
+    graph.replay()  # legal, does nothing
+
+    @eager_on_graph
+    def doubled(t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    only_break = BreakableCUDAGraph(backend="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not empty: the break runs at every replay
+        with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(only_break):
+            out = doubled(x)
+    x.fill_(3.0)
+    only_break.replay()
+    assert out.tolist() == [6.0] * 3

@@ -6,6 +6,7 @@ import contextlib
 import gc
 import logging
 import threading
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from types import TracebackType
@@ -47,6 +48,18 @@ from bcg_core._errors import (
 logger = logging.getLogger("bcg_core")
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+
+def _warn_empty(backend: str) -> None:
+    # torch warns when a whole graph is empty ("The CUDA Graph is empty"; bcg silences that for
+    # each empty segment, which adjacent breaks make): a replay then does nothing, silently.
+    warnings.warn(
+        f"bcg: the breakable capture recorded no graph work and no break, so replay() will do "
+        f"nothing. Was the captured code run on another device than the graph's "
+        f"({backend!r}: e.g. CPU tensors in a CUDA graph, or tensors of another GPU)?",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 class CaptureState:
@@ -392,7 +405,9 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
     that ended a segment's capture and that the captured code caught fails the capture at the
     next segment end with :class:`CaptureError`); in every case the stream leaves capture
     mode, context variables are reset, stream hooks are removed, and the graph is left in the
-    failed state, ready for ``reset()`` and a new capture.
+    failed state, ready for ``reset()`` and a new capture. A capture that recorded no graph
+    work and no break warns (``UserWarning``, as torch warns about an empty graph): its replay
+    does nothing, typically because the code ran on another device than the graph's.
 
     Args:
         cuda_graph: the empty :class:`BreakableCUDAGraph` to capture into.
@@ -560,6 +575,8 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
                         self._fail(state, end_exc)
                         raise
                     self.cuda_graph._finish_capture(state.steps, state.dropped)
+                    if not state.steps:
+                        _warn_empty(self.cuda_graph.backend)
                 else:
                     self._fail(state, exc)
                     refused = as_capture_error(exc)
