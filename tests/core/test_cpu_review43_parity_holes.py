@@ -16,6 +16,7 @@ from bcg_core import (
     get_current_stream,
     is_breakable_capture_active,
 )
+from bcg_core._backends import backend_for  # noqa: PLC2701
 
 
 def test_a_capture_on_the_default_stream_is_refused_as_on_cuda() -> None:
@@ -69,3 +70,28 @@ def test_a_capture_that_records_nothing_warns_as_torch_does() -> None:
     x.fill_(3.0)
     only_break.replay()
     assert out.tolist() == [6.0] * 3
+
+
+def test_a_stream_of_another_backend_is_refused_when_the_capture_is_made() -> None:
+    # The constructor accepted anything with a cuda_stream attribute: a CPU stream given to a
+    # CUDA graph's capture sent its negative handle to the CUDA driver at __enter__ (a failed
+    # query disables cuda-bindings for the process and ends in an ImportError saying to install
+    # them), and a foreign stream given to a CPU capture failed only at __enter__.
+    cpu_stream = backend_for("cpu").new_stream()
+    with pytest.raises(TypeError, match=r"stream must be a torch\.cuda\.Stream"):
+        BreakableCUDAGraphCapture(BreakableCUDAGraph(), stream=cpu_stream)
+
+    class _Foreign:
+        cuda_stream = 7
+
+    with pytest.raises(TypeError, match="captures on its own streams"):
+        BreakableCUDAGraphCapture(BreakableCUDAGraph(backend="cpu"), stream=_Foreign())
+    # A stream of the graph's backend is taken, and captured on.
+    x = torch.ones(2)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph, stream=cpu_stream):
+        assert get_current_stream() is cpu_stream
+        out = x + 1
+    x.fill_(2.0)
+    graph.replay()
+    assert out.tolist() == [3.0, 3.0]

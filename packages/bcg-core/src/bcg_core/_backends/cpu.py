@@ -101,12 +101,16 @@ def _use_stream(stream: CpuStream) -> Iterator[CpuStream]:
         reset_var(token)  # left in another context: see reset_var
 
 
+def _not_a_cpu_stream(stream: Any) -> str:
+    return (
+        f"the CPU graph backend captures on its own streams, got {stream!r}; leave "
+        "stream=None, or pass one made by backend_for('cpu').new_stream()"
+    )
+
+
 def _as_cpu_stream(stream: Any) -> CpuStream:
     if not isinstance(stream, CpuStream):
-        raise CaptureError(
-            f"the CPU graph backend captures on its own streams, got {stream!r}; leave "
-            "stream=None, or pass one made by backend_for('cpu').new_stream()"
-        )
+        raise CaptureError(_not_a_cpu_stream(stream))
     return stream
 
 
@@ -252,6 +256,10 @@ class CpuBackend:
                 f"the CPU graph backend captures into its own pools, got {pool!r}; pass another "
                 "CPU graph's pool() (or backend_for('cpu').new_pool()), or leave pool=None"
             )
+
+    def check_stream(self, stream: Any) -> None:
+        if not isinstance(stream, CpuStream):
+            raise TypeError(_not_a_cpu_stream(stream))
 
     def new_pool(self) -> CpuPool:
         return CpuPool()

@@ -430,7 +430,8 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
     Raises:
         TypeError: ``cuda_graph`` is not a :class:`BreakableCUDAGraph`, ``barrier_fn`` is not
             callable, ``auto_join`` or ``faithful`` is not a bool, or ``stream`` is not a
-            stream.
+            stream of the graph's backend (a ``torch.cuda.Stream``; on the CPU backend one of
+            its own).
         ValueError: ``capture_error_mode`` or ``debug`` has another value.
         CaptureError: on entering the block: this object is already in use, another capture is
             active here, breakable graphs are disabled, the backend's device is missing, the
@@ -468,8 +469,10 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
             raise TypeError(f"auto_join must be a bool, got {auto_join!r}")
         if not isinstance(faithful, bool):
             raise TypeError(f"faithful must be a bool, got {faithful!r}")
-        if stream is not None and not hasattr(stream, "cuda_stream"):
-            raise TypeError(f"stream must be a torch.cuda.Stream or None, got {stream!r}")
+        if stream is not None:
+            # By type, not by a cuda_stream attribute: a CPU stream's (negative) handle reached
+            # the CUDA driver at __enter__, and a CUDA stream failed a CPU capture only there.
+            cuda_graph._backend_impl.check_stream(stream)
         if pool is not None:
             cuda_graph._backend_impl.check_pool(pool)
         self.cuda_graph = cuda_graph
