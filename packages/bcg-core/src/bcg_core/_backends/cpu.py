@@ -101,12 +101,16 @@ def _use_stream(stream: CpuStream) -> Iterator[CpuStream]:
         reset_var(token)  # left in another context: see reset_var
 
 
+def _not_a_cpu_stream(stream: Any) -> str:
+    return (
+        f"the CPU graph backend captures on its own streams, got {stream!r}; leave "
+        "stream=None, or pass one made by backend_for('cpu').new_stream()"
+    )
+
+
 def _as_cpu_stream(stream: Any) -> CpuStream:
     if not isinstance(stream, CpuStream):
-        raise CaptureError(
-            f"the CPU graph backend captures on its own streams, got {stream!r}; leave "
-            "stream=None, or pass one made by backend_for('cpu').new_stream()"
-        )
+        raise CaptureError(_not_a_cpu_stream(stream))
     return stream
 
 
@@ -157,6 +161,14 @@ class CpuSegment:
 
     def capture_begin(self, pool: Any, capture_error_mode: str) -> None:
         stream = current_cpu_stream()
+        if stream is _DEFAULT_STREAM:
+            # torch's CUDAGraph.capture_begin refuses the default stream; refused here too, so
+            # code that captures on get_current_stream() fails on CPU as it will on CUDA.
+            raise CaptureError(
+                "CUDA graphs must be captured on a non-default stream, and so are CPU graphs: "
+                "leave stream=None (the pool's capture lane), or pass a stream made by "
+                "backend_for('cpu').new_stream()"
+            )
         if stream.capturing is not None:
             raise CaptureError(f"{stream!r} is already capturing")
         recorder = new_recorder(pool.graph_memory if isinstance(pool, CpuPool) else None)
@@ -244,6 +256,10 @@ class CpuBackend:
                 f"the CPU graph backend captures into its own pools, got {pool!r}; pass another "
                 "CPU graph's pool() (or backend_for('cpu').new_pool()), or leave pool=None"
             )
+
+    def check_stream(self, stream: Any) -> None:
+        if not isinstance(stream, CpuStream):
+            raise TypeError(_not_a_cpu_stream(stream))
 
     def new_pool(self) -> CpuPool:
         return CpuPool()

@@ -139,6 +139,13 @@ class CudaBackend:
                 "torch.cuda.graph_pool_handle() or a torch.cuda.MemPool, or leave pool=None"
             )
 
+    def check_stream(self, stream: Any) -> None:
+        if not isinstance(stream, torch.cuda.Stream):  # ExternalStream is one too
+            raise TypeError(
+                f"stream must be a torch.cuda.Stream or None, got {stream!r}; a CPU graph's "
+                'stream captures only into BreakableCUDAGraph(backend="cpu")'
+            )
+
     def new_pool(self) -> CudaPool:
         self.check_available()  # else torch's "dummy base class _graph_pool_handle" error
         return CudaPool()

@@ -6,6 +6,7 @@ import contextlib
 import gc
 import logging
 import threading
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from types import TracebackType
@@ -47,6 +48,18 @@ from bcg_core._errors import (
 logger = logging.getLogger("bcg_core")
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+
+def _warn_empty(backend: str) -> None:
+    # torch warns when a whole graph is empty ("The CUDA Graph is empty"; bcg silences that for
+    # each empty segment, which adjacent breaks make): a replay then does nothing, silently.
+    warnings.warn(
+        f"bcg: the breakable capture recorded no graph work and no break, so replay() will do "
+        f"nothing. Was the captured code run on another device than the graph's "
+        f"({backend!r}: e.g. CPU tensors in a CUDA graph, or tensors of another GPU)?",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 class CaptureState:
@@ -399,7 +412,9 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
     that ended a segment's capture and that the captured code caught fails the capture at the
     next segment end with :class:`CaptureError`); in every case the stream leaves capture
     mode, context variables are reset, stream hooks are removed, and the graph is left in the
-    failed state, ready for ``reset()`` and a new capture.
+    failed state, ready for ``reset()`` and a new capture. A capture that recorded no graph
+    work and no break warns (``UserWarning``, as torch warns about an empty graph): its replay
+    does nothing, typically because the code ran on another device than the graph's.
 
     Args:
         cuda_graph: the empty :class:`BreakableCUDAGraph` to capture into.
@@ -422,7 +437,8 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
     Raises:
         TypeError: ``cuda_graph`` is not a :class:`BreakableCUDAGraph`, ``barrier_fn`` is not
             callable, ``auto_join`` or ``faithful`` is not a bool, or ``stream`` is not a
-            stream.
+            stream of the graph's backend (a ``torch.cuda.Stream``; on the CPU backend one of
+            its own).
         ValueError: ``capture_error_mode`` or ``debug`` has another value.
         CaptureError: on entering the block: this object is already in use, another capture is
             active here, breakable graphs are disabled, the backend's device is missing, the
@@ -460,8 +476,10 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
             raise TypeError(f"auto_join must be a bool, got {auto_join!r}")
         if not isinstance(faithful, bool):
             raise TypeError(f"faithful must be a bool, got {faithful!r}")
-        if stream is not None and not hasattr(stream, "cuda_stream"):
-            raise TypeError(f"stream must be a torch.cuda.Stream or None, got {stream!r}")
+        if stream is not None:
+            # By type, not by a cuda_stream attribute: a CPU stream's (negative) handle reached
+            # the CUDA driver at __enter__, and a CUDA stream failed a CPU capture only there.
+            cuda_graph._backend_impl.check_stream(stream)
         if pool is not None:
             cuda_graph._backend_impl.check_pool(pool)
         self.cuda_graph = cuda_graph
@@ -567,6 +585,8 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
                         self._fail(state, end_exc)
                         raise
                     self.cuda_graph._finish_capture(state.steps, state.dropped)
+                    if not state.steps:
+                        _warn_empty(self.cuda_graph.backend)
                 else:
                     self._fail(state, exc)
                     refused = as_capture_error(exc)

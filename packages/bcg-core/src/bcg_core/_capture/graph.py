@@ -111,8 +111,10 @@ class BreakableCUDAGraph:
     Pool: every segment captures into one private memory pool, created lazily by :meth:`pool`.
     Several graphs may share a pool (``BreakableCUDAGraph(pool=other.pool())``); as with
     ``torch.cuda.graph``, graphs that share a pool must be replayed one at a time, never
-    concurrently. The pool's memory is returned when every graph captured into it is reset or
-    garbage collected.
+    concurrently. The pool's memory is returned when every graph that uses it is garbage
+    collected: :meth:`reset` keeps the pool, and its memory, for the next capture (DESIGN.md,
+    "Pool ownership"). A bare ``torch.cuda.graph_pool_handle()`` id follows torch's rule: freed
+    once every graph captured into it is reset.
 
     Streams: replay uses ``torch.cuda.current_stream()`` at the time of the call; break points see
     it through :func:`get_current_stream`.
