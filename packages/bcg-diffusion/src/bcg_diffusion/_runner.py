@@ -444,8 +444,11 @@ def _hooked_module(model: Callable[..., Any]) -> torch.nn.Module | None:
 
 # Bumped by every HookRegistry.register_hook / remove_hook while a DiTRunner patches them (a
 # guider adds layer-skip hooks around its perturbed call and removes them after it): a call
-# reads this one int to learn that the model's hooks may have changed.
+# reads this one int to learn that the model's hooks may have changed. Bumped under a lock (two
+# threads adding hooks must not lose a change); read without one (a stale read is the next
+# call's change).
 _hook_changes = [0]
+_hook_changes_lock = threading.Lock()
 
 
 def _counting(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -454,7 +457,8 @@ def _counting(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return method(*args, **kwargs)
         finally:
-            _hook_changes[0] += 1
+            with _hook_changes_lock:
+                _hook_changes[0] += 1
 
     return counted
 
