@@ -1,8 +1,8 @@
 """torch.compile with breaks, holes of a fourth review, on the CPU graph backend: every replay is
 compared with the compiled step called outside the capture (bitwise) and with eager.
 
-Backend ``aot_eager`` (dynamo and AOTAutograd, which make a break opaque); inductor would spend
-minutes compiling C++ on this box (the CUDA tests run it).
+Backend ``aot_eager`` (dynamo and AOTAutograd, which make a break opaque), and ``inductor`` for
+one small step only (its C++ compiles are slow on this box; the CUDA tests run it).
 """
 
 from __future__ import annotations
@@ -68,3 +68,37 @@ def test_a_runner_over_a_fullgraph_compiled_step_captures_and_keeps_it_compiled(
         torch.testing.assert_close(runner(x), _chain(x))
     assert runner.stats.captures == 2 and runner.stats.failed_captures == 0
     assert counter.frame_count == frames
+
+
+_TABLE = torch.arange(3.0)
+
+
+@eager_on_graph(name="r43.global")
+def _reads_a_global(x: torch.Tensor) -> torch.Tensor:
+    return x + _TABLE
+
+
+@eager_on_graph(name="r43.default")
+def _default_tensor(x: torch.Tensor, bias: torch.Tensor = _TABLE) -> torch.Tensor:
+    return x * bias
+
+
+def _reads_tensors_it_does_not_take(x: torch.Tensor) -> torch.Tensor:
+    return _default_tensor(_reads_a_global(x.cos())).sin()
+
+
+def test_a_break_reading_a_tensor_it_does_not_take_compiles_with_inductor() -> None:
+    # Inductor re-runs the graph on fake tensors in a mode that refused real ones: the break's
+    # fake run met the module-level table ("Please convert all Tensors to FakeTensors first"),
+    # and the compile failed (aot_eager, with dynamo's mode, compiled).
+    torch._dynamo.reset()
+    compiled = torch.compile(_reads_tensors_it_does_not_take, backend="inductor", fullgraph=True)
+    runner = BreakableGraphRunner(compiled, device="cpu")
+    with runner.warmup():
+        runner(torch.randn(4, 3))
+    for _ in range(2):
+        x = torch.randn(4, 3)
+        # A CPU capture runs the compiled code eagerly: aten's sin, not inductor's.
+        torch.testing.assert_close(runner(x), compiled(x))
+        assert torch.equal(runner(x), _reads_tensors_it_does_not_take(x))
+    assert runner.stats.captures == 1
