@@ -5,10 +5,9 @@ trace to one dynamo graph; a compile inside a capture becomes a CaptureError.
 Backends: ``aot_eager`` (dynamo and AOTAutograd, which is what makes the op opaque, with aten
 kernels) — inductor would spend minutes of C++ compilation on this 2-core box; the CUDA tests
 (test_cuda_compile.py) run inductor. On the CPU backend a capture runs the compiled function's
-frame uncompiled (dynamo skips frames under the recorder's dispatch mode), so captures here
-check that breaks are recorded and replay right, and compile structure is checked separately;
-torch 2.13 refuses to run a ``fullgraph=True`` function whose frame it skipped, so captures here
-use the default mode.
+frame uncompiled (dynamo's ``force_eager`` stance while a CPU capture is open), so captures
+here check that breaks are recorded and replay right, and compile structure is checked
+separately.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """No torch.compile compiling inside a capture: dynamo's ``fail_on_recompile`` stance while any
-capture on a backend that refuses compiles is open (refcounted; the stance is process-wide)."""
+capture on a backend that refuses compiles is open, ``force_eager`` while a capture on one that
+does not (the CPU backend) is (refcounted; the stance is process-wide, so while captures of both
+kinds are open the first one's holds)."""
 
 from __future__ import annotations
 
@@ -21,17 +23,20 @@ _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile
 
 @contextlib.contextmanager
 def compiles_refused(refuse: bool) -> Iterator[None]:
-    """While open (and ``refuse``), a call of a torch.compile'd function that would compile
-    raises instead. Before dynamo is imported nothing has been compiled, so nothing is set."""
+    """While open, a call of a torch.compile'd function that would compile raises instead
+    (``refuse``), or runs eagerly (not ``refuse``: under the CPU recorder's dispatch mode dynamo
+    skips the frame and marks its code skipped for good, so after one capture the function ran
+    uncompiled at every later call, and ``fullgraph=True`` failed at the capture and after it).
+    Before dynamo is imported nothing has been compiled, so nothing is set."""
     global _open, _stance
-    if not refuse or "torch._dynamo" not in sys.modules:
+    if "torch._dynamo" not in sys.modules:
         yield
         return
     import torch
 
     with _lock:
         if _open == 0:
-            _stance = torch.compiler.set_stance("fail_on_recompile")
+            _stance = torch.compiler.set_stance("fail_on_recompile" if refuse else "force_eager")
             _stance.__enter__()
         _open += 1
     try:

@@ -37,7 +37,7 @@ import threading
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -714,7 +714,7 @@ def _fake(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
     layout = _layout(key)
     _, fake, _ = _registered(layout.function)
     args, kwargs = _call_args(layout, mutated, rest)
-    with _autocast(layout.amp):
+    with _autocast(layout.amp), _real_tensors_allowed():
         result = fake(*args, **kwargs)
     flat, spec = _fresh_outputs(result, [*mutated, *rest])
     leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat]
@@ -725,6 +725,24 @@ def _fake(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
             layout.out_strides = [_Strides.of(t) for t in tensors]
             layout.out_meta = [_meta(t) for t in tensors]
     return tensors
+
+
+@contextlib.contextmanager
+def _real_tensors_allowed() -> Iterator[None]:
+    """The active fake mode takes real tensors (made fake constants) while the function runs
+    on fakes: a break may read a tensor it does not take (a module-level table, a default
+    argument, a closure's buffer). Dynamo's mode allows them; inductor's re-run of the graph on
+    fakes did not ("Please convert all Tensors to FakeTensors first"), so such a break failed
+    to compile under inductor."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if mode is None or mode.allow_non_fake_inputs:
+        yield
+        return
+    mode.allow_non_fake_inputs = True
+    try:
+        yield
+    finally:
+        mode.allow_non_fake_inputs = False
 
 
 def _as_fake(t: torch.Tensor) -> torch.Tensor:
