@@ -62,6 +62,13 @@ def _warn_empty(backend: str) -> None:
     )
 
 
+def internal_capture(cuda_graph: BreakableCUDAGraph, **kwargs: Any) -> BreakableCUDAGraphCapture:
+    """A capture made by bcg itself, which warns nothing when it records nothing."""
+    capture = BreakableCUDAGraphCapture(cuda_graph, **kwargs)
+    capture._warns_if_empty = False
+    return capture
+
+
 class CaptureState:
     """Everything one capture in progress needs; reachable through :func:`active_capture`."""
 
@@ -483,6 +490,10 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
         if pool is not None:
             cuda_graph._backend_impl.check_pool(pool)
         self.cuda_graph = cuda_graph
+        # Off for bcg's own captures (the runner, the divergence check): they pick the graph's
+        # backend from the arguments' device, so an empty capture there is a step with no
+        # device work, not code run on another device.
+        self._warns_if_empty = True
         self._pool = pool
         self._stream = stream
         self._mode = capture_error_mode
@@ -585,7 +596,7 @@ class BreakableCUDAGraphCapture(AbstractContextManager["BreakableCUDAGraphCaptur
                         self._fail(state, end_exc)
                         raise
                     self.cuda_graph._finish_capture(state.steps, state.dropped)
-                    if not state.steps:
+                    if not state.steps and self._warns_if_empty:
                         _warn_empty(self.cuda_graph.backend)
                 else:
                     self._fail(state, exc)

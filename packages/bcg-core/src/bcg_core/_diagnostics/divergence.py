@@ -34,7 +34,7 @@ from bcg_core._backends import (
     record_source_locations,
 )
 from bcg_core._capture.breaks import observe_breaks
-from bcg_core._capture.capture import BreakableCUDAGraphCapture
+from bcg_core._capture.capture import internal_capture
 from bcg_core._capture.context import active_capture
 from bcg_core._capture.flag import (
     breakable_graphs_disabled,
@@ -378,7 +378,7 @@ def _capture(
         backend.stream_context(side),
         record_source_locations(),
         enable_breakable_cuda_graph(),
-        BreakableCUDAGraphCapture(graph),
+        internal_capture(graph),
     ):
         output = fn(*args, **kw)
     # Breaks ran for real at capture (the side stream waits for them); eager runs on the

@@ -12,7 +12,7 @@ import torch
 
 from bcg_core import _trees
 from bcg_core._backends import GraphBackend
-from bcg_core._capture.capture import BreakableCUDAGraphCapture
+from bcg_core._capture.capture import internal_capture
 from bcg_core._capture.flag import enable_breakable_cuda_graph
 from bcg_core._capture.graph import BreakableCUDAGraph
 from bcg_core._capture.modes import autocast_state
@@ -100,7 +100,7 @@ def capture_entry(
         captured = time.perf_counter()
         with (
             enable_breakable_cuda_graph(),
-            BreakableCUDAGraphCapture(graph, capture_error_mode=capture_error_mode),
+            internal_capture(graph, capture_error_mode=capture_error_mode),
         ):
             output = module(*static_args, **static_kwargs)
         _refuse_changed_containers(containers)
