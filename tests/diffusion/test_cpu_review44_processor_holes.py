@@ -189,3 +189,52 @@ def test_plain_calls_still_replay_and_close_releases_the_counting_patches() -> N
     from diffusers.models.attention import AttentionModuleMixin
 
     assert not hasattr(AttentionModuleMixin.set_processor, "__wrapped__")
+
+
+def test_a_pag_pipelines_own_processor_swap_is_seen() -> None:
+    """diffusers' PAG pipelines (PixArt-Sigma, Sana...) set their PAG processors by assigning
+    ``module.processor`` in ``PAGMixin._set_pag_attn_processor`` (no setter) at the start of a
+    call, and restore the originals with set_attn_processor at its end: the perturbed calls
+    replayed the plain graph."""
+    from diffusers.pipelines.pag.pag_utils import PAGMixin
+
+    torch.manual_seed(0)
+    model = diffusers.PixArtTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+        num_layers=2, cross_attention_dim=32, sample_size=8, patch_size=2, caption_channels=32,
+        norm_type="ada_norm_single", use_additional_conditions=False,
+    ).eval()  # fmt: skip
+
+    class _Pipe(PAGMixin):
+        transformer = model
+
+    pipe = _Pipe()
+    pipe.set_pag_applied_layers(["transformer_blocks.0"])
+    gen = torch.Generator().manual_seed(0)
+    text = torch.randn(2, 8, 32, generator=gen)
+    conditions = {"resolution": None, "aspect_ratio": None}
+
+    def inputs(seed: int) -> dict[str, Any]:
+        x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(seed))
+        t = torch.full((2,), 500.0)
+        return {"hidden_states": x, "encoder_hidden_states": text, "timestep": t,
+                "added_cond_kwargs": conditions}  # fmt: skip
+
+    runner = _runner(model)
+    try:
+        with torch.no_grad():
+            runner.capture(**inputs(0))
+            original = model.attn_processors
+            pipe._set_pag_attn_processor(pipe.pag_applied_layers, do_classifier_free_guidance=False)
+            try:
+                perturbed = runner(**inputs(1)).sample
+                expected = model(**inputs(1)).sample
+            finally:
+                model.set_attn_processor(original)
+            plain = runner(**inputs(1)).sample
+            assert torch.equal(plain, model(**inputs(1)).sample)
+            assert not torch.equal(plain, expected)  # PAG changes the output
+            assert torch.equal(perturbed, expected), "the plain graph replayed"
+            assert (runner.stats.hits, runner.stats.misses) == (1, 1)
+    finally:
+        runner.close()

@@ -470,7 +470,7 @@ def _counting(method: Callable[..., Any]) -> Callable[..., Any]:
 # (module, class, methods) of diffusers that change a model's hooks, attention processors or
 # attention backend: what set_attn_processor, fuse_qkv_projections, IP-Adapters, PAG and
 # set_attention_backend / attention_backend() go through. Those a diffusers version lacks are
-# skipped. A processor assigned directly (module.processor = p) is not counted.
+# skipped. A processor assigned directly elsewhere (module.processor = p) is not counted.
 _SETTERS = (
     ("diffusers.hooks.hooks", "HookRegistry", ("register_hook", "remove_hook")),
     (
@@ -490,6 +490,8 @@ _SETTERS = (
         ("set_attention_backend", "reset_attention_backend"),
     ),
     ("diffusers.models.attention_dispatch", "_AttentionBackendRegistry", ("set_active_backend",)),
+    # PAG pipelines assign module.processor themselves here (restored by set_attn_processor).
+    ("diffusers.pipelines.pag.pag_utils", "PAGMixin", ("_set_pag_attn_processor",)),
 )
 
 
