@@ -169,8 +169,11 @@ class DiTRunner(BreakableGraphRunner):
         as_tuple = "return_dict" in kwargs and self._pop_format(kwargs, args)
         if _model_changes[0] != self._setup_seen:  # one int read when nothing was set
             self._setup_seen = _model_changes[0]
-            self._setup_now = _model_state(self.module)
-        if self._setup_captured is not None and self._setup_now != self._setup_captured:
+            now = _model_state(self.module)
+            # The capture's own tuple when equal: a call then compares identities, not every
+            # attention module's entry.
+            self._setup_now = self._setup_captured if now == self._setup_captured else now
+        if self._setup_captured is not None and self._setup_now is not self._setup_captured:
             out = self._other_setup(args, kwargs)
         else:
             out = super().__call__(*args, **kwargs)
