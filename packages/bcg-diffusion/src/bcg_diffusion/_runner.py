@@ -7,6 +7,7 @@ import functools
 import importlib
 import inspect
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -129,15 +130,16 @@ class DiTRunner(BreakableGraphRunner):
             raise
         if breakable_attention is not None:
             patches.append(breakable_attention)
-        counting = _count_hook_changes(model)
+        counting = _count_model_changes(model)
         if counting is not None:
             patches.append(counting)
         self._patches: list[PatchHandle] = patches
-        # The diffusers hooks on the model now (as of _hook_changes[0] == _hooks_seen) and
-        # when the graphs were captured (None: nothing captured since the last reset).
-        self._hooks_seen = -1
-        self._hooks_now: tuple[tuple[int, tuple[str, ...]], ...] = ()
-        self._hooks_captured: tuple[tuple[int, tuple[str, ...]], ...] | None = None
+        # The model's diffusers hooks, attention processors and backends (_model_state) now
+        # (as of _model_changes[0] == _setup_seen) and when the graphs were captured (None:
+        # nothing captured since the last reset).
+        self._setup_seen = -1
+        self._setup_now: _State = ()
+        self._setup_captured: _State | None = None
         self._breakable_attention = breakable_attention
         self._closed = False
         self._return_dict_default = _return_dict_default(model)
@@ -165,11 +167,14 @@ class DiTRunner(BreakableGraphRunner):
         """
         # The usual call has no return_dict: told without a frame before the replay's launch.
         as_tuple = "return_dict" in kwargs and self._pop_format(kwargs, args)
-        if _hook_changes[0] != self._hooks_seen:  # one int read when no hook came or went
-            self._hooks_seen = _hook_changes[0]
-            self._hooks_now = _hook_state(self.module)
-        if self._hooks_captured is not None and self._hooks_now != self._hooks_captured:
-            out = self._other_hooks(args, kwargs)
+        if _model_changes[0] != self._setup_seen:  # one int read when nothing was set
+            self._setup_seen = _model_changes[0]
+            now = _model_state(self.module)
+            # The capture's own tuple when equal: a call then compares identities, not every
+            # attention module's entry.
+            self._setup_now = self._setup_captured if now == self._setup_captured else now
+        if self._setup_captured is not None and self._setup_now is not self._setup_captured:
+            out = self._other_setup(args, kwargs)
         else:
             out = super().__call__(*args, **kwargs)
         if not as_tuple:
@@ -303,32 +308,34 @@ class DiTRunner(BreakableGraphRunner):
                 "device) to capture it, or run it without DiTRunner"
             )
         self._patch_new_attention()
-        if self._hooks_captured is None or not self.stats.entries:
-            self._hooks_seen = _hook_changes[0]
-            self._hooks_now = self._hooks_captured = _hook_state(self.module)
+        if self._setup_captured is None or not self.stats.entries:
+            self._setup_seen = _model_changes[0]
+            self._setup_now = self._setup_captured = _model_state(self.module)
         with super().warmup() as runner:
             yield runner
 
     def reset(self) -> None:
         """Drop every graph, as :meth:`bcg_core.BreakableGraphRunner.reset` does.
 
-        The next capture window takes the model's diffusers hooks as they are then (calls
-        under other hooks than a window's run eagerly).
+        The next capture window takes the model's diffusers hooks, attention processors and
+        backends as they are then (calls under others than a window's run eagerly).
 
         Raises:
             RuntimeError: called from a break of this runner's own replay or capture (nothing
                 is reset then).
         """
         super().reset()
-        self._hooks_captured = None
+        self._setup_captured = None
 
-    def _other_hooks(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run eagerly (a miss) a call made under other diffusers hooks than the graphs'
-        capture: a guider's layer-skip hooks, added around its perturbed call only, changed
-        what the forward computes with the same inputs, and a replay gave the plain output."""
+    def _other_setup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run eagerly (a miss) a call made under other diffusers hooks, attention processors
+        or backends than the graphs' capture: a guider's layer-skip hooks or a PAG pipeline's
+        processors, set around its call only, changed what the forward computes with the same
+        inputs, and a replay gave the capture's output."""
         return self._eager_miss(
-            "the model carries other diffusers hooks than at capture (a guider's layer skip); "
-            "call reset() and capture again to replay under these",
+            "the model carries other diffusers hooks, attention processors or attention "
+            "backend than at capture (a guider's layer skip, set_attn_processor, "
+            "set_attention_backend); call reset() and capture again to replay under these",
             (args, kwargs),
         )
 
@@ -442,13 +449,13 @@ def _hooked_module(model: Callable[..., Any]) -> torch.nn.Module | None:
     return None
 
 
-# Bumped by every HookRegistry.register_hook / remove_hook while a DiTRunner patches them (a
-# guider adds layer-skip hooks around its perturbed call and removes them after it): a call
-# reads this one int to learn that the model's hooks may have changed. Bumped under a lock (two
-# threads adding hooks must not lose a change); read without one (a stale read is the next
-# call's change).
-_hook_changes = [0]
-_hook_changes_lock = threading.Lock()
+# Bumped by every call of the diffusers setters below while a DiTRunner patches them (a guider
+# adds layer-skip hooks around its perturbed call and removes them after it; a PAG pipeline
+# sets its processors around its call): a call reads this one int to learn that the model's
+# hooks, processors or backend may have changed. Bumped under a lock (two threads adding hooks
+# must not lose a change); read without one (a stale read is the next call's change).
+_model_changes = [0]
+_model_changes_lock = threading.Lock()
 
 
 def _counting(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -457,41 +464,86 @@ def _counting(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return method(*args, **kwargs)
         finally:
-            with _hook_changes_lock:
-                _hook_changes[0] += 1
+            with _model_changes_lock:
+                _model_changes[0] += 1
 
     return counted
 
 
-def _count_hook_changes(model: Callable[..., Any]) -> PatchHandle | None:
-    """Patch diffusers' HookRegistry to count hook changes; None for a model that is no
-    diffusers model (no patch, nothing to release: a toy model's runner never closed leaves
-    diffusers alone)."""
+# (module, class, methods) of diffusers that change a model's hooks, attention processors or
+# attention backend: what set_attn_processor, fuse_qkv_projections, IP-Adapters, PAG and
+# set_attention_backend / attention_backend() go through. Those a diffusers version lacks are
+# skipped. A processor assigned directly elsewhere (module.processor = p) is not counted.
+_SETTERS = (
+    ("diffusers.hooks.hooks", "HookRegistry", ("register_hook", "remove_hook")),
+    (
+        "diffusers.models.attention",
+        "AttentionModuleMixin",
+        ("set_processor", "set_attention_backend", "fuse_projections", "unfuse_projections"),
+    ),
+    (
+        "diffusers.models.attention",
+        "AttentionMixin",
+        ("fuse_qkv_projections", "unfuse_qkv_projections"),
+    ),
+    ("diffusers.models.attention_processor", "Attention", ("set_processor", "fuse_projections")),
+    (
+        "diffusers.models.modeling_utils",
+        "ModelMixin",
+        ("set_attention_backend", "reset_attention_backend"),
+    ),
+    ("diffusers.models.attention_dispatch", "_AttentionBackendRegistry", ("set_active_backend",)),
+    # PAG pipelines assign module.processor themselves here (restored by set_attn_processor).
+    ("diffusers.pipelines.pag.pag_utils", "PAGMixin", ("_set_pag_attn_processor",)),
+)
+
+
+def _count_model_changes(model: Callable[..., Any]) -> PatchHandle | None:
+    """Patch diffusers' setters of hooks, attention processors and backends
+    (:data:`_SETTERS`) to count changes; None for a model that is no diffusers model (no
+    patch, nothing to release: a toy model's runner never closed leaves diffusers alone)."""
     target = _hooked_module(model)
     # (Its modules, not its class: a torch.compile(model) is torch's module around it.)
     if target is None or not any(
         type(sub).__module__.startswith("diffusers.") for sub in target.modules()
     ):
         return None
-    try:
-        registry = importlib.import_module("diffusers.hooks.hooks").HookRegistry
-    except (ImportError, AttributeError):
-        return None
-    return PatchHandle.patch_all(
-        (registry, name, _counting) for name in ("register_hook", "remove_hook")
-    )
+    patches = []
+    for module_name, class_name, methods in _SETTERS:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue
+        patches += [(cls, name, _counting) for name in methods if hasattr(cls, name)]
+    return PatchHandle.patch_all(patches) if patches else None
 
 
-def _hook_state(model: Callable[..., Any]) -> tuple[tuple[int, tuple[str, ...]], ...]:
-    """The diffusers hooks on the model: (module index, hook names) of each hooked module."""
+# What _model_state gives: per module index, its diffusers hook names, or its attention
+# processor's class, that processor's backend and whether its projections are fused; and the
+# process's active attention backend.
+_State = tuple[Any, ...]
+
+
+def _model_state(model: Callable[..., Any]) -> _State:
+    """The model's diffusers hooks, attention processors and attention backends (a
+    :data:`_State`); compared, not read: a call under another state than the capture's is a
+    miss."""
     target = _hooked_module(model)
     if target is None:
         return ()
-    state = []
+    state: list[Any] = []
     for i, sub in enumerate(target.modules()):
         hooks = getattr(getattr(sub, "_diffusers_hook", None), "hooks", None)
         if hooks:
             state.append((i, tuple(hooks)))
+        if hasattr(sub, "set_processor"):  # diffusers' attention modules (as attn_processors)
+            processor = getattr(sub, "processor", None)
+            backend = getattr(processor, "_attention_backend", None)
+            fused = bool(getattr(sub, "fused_projections", False))
+            state.append((i, type(processor), backend, fused))
+    dispatch = sys.modules.get("diffusers.models.attention_dispatch")
+    registry = getattr(dispatch, "_AttentionBackendRegistry", None)
+    state.append(getattr(registry, "_active_backend", None))
     return tuple(state)
 
 
