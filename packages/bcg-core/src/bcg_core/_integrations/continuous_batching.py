@@ -170,7 +170,8 @@ def enable_continuous_batching(
     transformers' own ``ContinuousBatchingConfig.q_padding_interval_size`` (its default, 64,
     when unset); the KV read is never padded, and each batch's attention gets exactly the
     arguments the eager engine would give it. On CUDA this replaces transformers' own CUDA
-    graphs for the model (``use_cuda_graph`` is ignored); a model on the CPU captures with
+    graphs for the model (``use_cuda_graph`` is ignored, and so are the engine's compile configs,
+    with a warning: the step runs uncompiled); a model on the CPU captures with
     bcg's CPU graph backend. The engine's warm-up (on by default: the largest bucket) captures
     at once (bcg first zeroes the cache rows its made-up request reads, which nothing wrote, so
     a sampling engine does not draw from NaN); in serving, a bucket is captured once it recurs
@@ -342,6 +343,20 @@ def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
                 "(bcg graphs use one set of static inputs)"
             )
             self.continuous_batching_config.use_async_batching = False
+        config = self.continuous_batching_config
+        compiled = [
+            name
+            for name in ("varlen_compile_config", "decode_compile_config")
+            if getattr(config, name, None) is not None
+        ]
+        if enabled and compiled:
+            # bcg's runner calls transformers' uncompiled step: the setting would vanish unseen.
+            logger.warning(
+                "bcg continuous batching: %s (or the generation config's compile_config) is not "
+                "used: bcg runs the engine's step uncompiled through its own graphs; remove the "
+                "setting, or remove the bcg handle to run transformers' compiled step",
+                " and ".join(compiled),
+            )
         processor = original(self)
         runner = processor.model_runner
         with _lock:

@@ -1,0 +1,61 @@
+"""Continuous-batching holes (review 44), on the CPU graph backend: transformers' own engine
+(``generate_batch``) with bcg's paged attention as the break. Tiny random-weight models,
+float32; the model, prompts, configs and the one stub (the engine's free-memory query) are
+those of ``test_cpu_continuous_batching.py``.
+
+- An engine asked to compile its step (``ContinuousBatchingConfig.varlen_compile_config`` /
+  ``decode_compile_config``, or the generation config's ``compile_config``) ran it uncompiled
+  through bcg's graphs without a word: the setting was dropped silently.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+import bcg_core
+
+transformers = pytest.importorskip(
+    "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
+)
+from test_cpu_continuous_batching import (  # noqa: E402
+    _cpu_memory,  # noqa: F401, PLC2701 (the autouse fixture: the free-memory query)
+    configs,
+    make_model,
+    prompts,
+)
+
+
+def generate(model: Any, **cb_settings: Any) -> dict[str, list[int]]:
+    """``generate_batch``'s greedy tokens by request id, the engine's config updated with
+    ``cb_settings``."""
+    gen, cb = configs()
+    for name, value in cb_settings.items():
+        setattr(cb, name, value)
+    out = model.generate_batch(prompts(), generation_config=gen, continuous_batching_config=cb)
+    return {rid: list(o.generated_tokens) for rid, o in out.items()}
+
+
+def test_a_compile_config_the_engine_does_not_use_is_reported(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """bcg runs transformers' step uncompiled (its graphs are the speed-up): a compile config
+    given to the engine is named in a warning, and the tokens are still the eager engine's."""
+    model = make_model()
+    compiled = {"varlen_compile_config": transformers.CompileConfig(backend="eager")}
+    eager = generate(model)
+    with caplog.at_level(logging.WARNING, logger="bcg_core"):
+        with bcg_core.enable_continuous_batching(model) as handle:
+            graphed = generate(model, **compiled)
+            stats = handle.stats()
+        warned = [r.getMessage() for r in caplog.records if r.name == "bcg_core"]
+    assert graphed == eager
+    assert stats.graphs >= 1 and stats.eager_calls == 0
+    assert any("varlen_compile_config" in message for message in warned), warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="bcg_core"):
+        with bcg_core.enable_continuous_batching(model):
+            assert generate(model) == eager
+        assert not [r for r in caplog.records if "compile" in r.getMessage()]
