@@ -6,6 +6,10 @@ those of ``test_cpu_continuous_batching.py``.
 - An engine asked to compile its step (``ContinuousBatchingConfig.varlen_compile_config`` /
   ``decode_compile_config``, or the generation config's ``compile_config``) ran it uncompiled
   through bcg's graphs without a word: the setting was dropped silently.
+- Where flash attention is installed, transformers' engine swaps an ``sdpa``/``eager`` model to
+  ``paged|flash_attention_*`` when it starts (``switch_to_cb_friendly_attn``): an enabled
+  model, loaded with ``attn_implementation="sdpa"`` as bcg asks, then failed every request
+  (bcg refuses the flash paths) with an error telling the user to load it with sdpa.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import pytest
 
 import bcg_core
+from bcg_core._integrations import continuous_batching as cb  # noqa: PLC2701
 
 transformers = pytest.importorskip(
     "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
@@ -26,6 +31,7 @@ from test_cpu_continuous_batching import (  # noqa: E402
     make_model,
     prompts,
 )
+from transformers.generation.continuous_batching import continuous_api  # noqa: E402
 
 
 def generate(model: Any, **cb_settings: Any) -> dict[str, list[int]]:
@@ -59,3 +65,30 @@ def test_a_compile_config_the_engine_does_not_use_is_reported(
         with bcg_core.enable_continuous_batching(model):
             assert generate(model) == eager
         assert not [r for r in caplog.records if "compile" in r.getMessage()]
+
+
+def test_an_enabled_model_keeps_its_attention_where_flash_is_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With flash attention available (only the availability query is stubbed: the CPU has no
+    flash kernel), an enabled sdpa model stays on ``paged|sdpa``, bcg's break: its tokens equal
+    the eager engine's, its batches are graphed, and the model gets ``sdpa`` back at the end."""
+    model = make_model()
+    eager = generate(model)
+    seen: list[str] = []
+    compute = continuous_api.ContinuousBatchProcessor._generation_step
+
+    def step(processor: Any, model: Any) -> Any:
+        seen.append(model.config._attn_implementation)
+        return compute(processor, model)
+
+    monkeypatch.setattr(continuous_api.ContinuousBatchProcessor, "_generation_step", step)
+    monkeypatch.setattr(continuous_api, "is_flash_attn_3_available", lambda **_: True)
+    with bcg_core.enable_continuous_batching(model) as handle:
+        graphed = generate(model)
+        stats = handle.stats()
+    assert graphed == eager
+    assert set(seen) == {"paged|sdpa"}
+    assert stats.graphs >= 1 and stats.replays > 0 and stats.eager_calls == 0
+    assert model.config._attn_implementation == "sdpa"
+    assert not cb._enabled  # nothing left enabled

@@ -10,8 +10,9 @@ call, capture or replay, the break rebuilds the attention's arguments from the l
 engine's ``ContinuousBatchingIOs``) with the batch's true sizes, exactly as the eager engine
 would pass them, and slices the query to the batch's true tokens.
 
-The engine is reached through three methods of ``ModelRunner`` and three of
-``ContinuousBatchingManager`` (which builds the runner and starts the engine's thread), plus the
+The engine is reached through three methods of ``ModelRunner`` and four of
+``ContinuousBatchingManager`` (which picks the model's paged attention, builds the runner and
+starts the engine's thread), plus the
 ``paged|sdpa`` and ``paged|eager`` entries of transformers' ``AttentionInterface``: patched
 while any handle is alive (each handle holds one reference per patch,
 ``bcg_core.patch_attribute``), restored when the last is removed. They act only for enabled
@@ -320,6 +321,7 @@ def _patch() -> PatchHandle:
     runner_cls = model_runner.ModelRunner
     manager_cls = continuous_api.ContinuousBatchingManager
     targets: list[tuple[Any, str, Callable[[Any], Any]]] = [
+        (manager_cls, "switch_to_cb_friendly_attn", _wrap_switch),
         (manager_cls, "_create_batch_processor", _wrap_create),
         (manager_cls, "start", _wrap_start),
         (manager_cls, "_run_generation_loop", _wrap_loop),
@@ -330,6 +332,23 @@ def _patch() -> PatchHandle:
     mapping: dict[str, Any] = AttentionInterface._global_mapping
     targets += [(mapping, name, _WRAP_PAGED[name]) for name in _ATTENTION]
     return PatchHandle.patch_all(targets)
+
+
+def _wrap_switch(original: Callable[..., Any]) -> Callable[..., Any]:
+    def switch_to_cb_friendly_attn(self: Any, model: Any) -> None:
+        implementation = model.config._attn_implementation
+        with _lock:
+            enabled = model in _enabled
+        if not enabled or implementation not in ("sdpa", "eager"):
+            original(self, model)
+            return
+        # transformers swaps in flash attention where it is installed, which bcg cannot break
+        # on (the engine then failed every request): an enabled model keeps its paged sdpa or
+        # eager, given back at stop() as transformers' own switch is.
+        model.set_attn_implementation(_PAGED + implementation)
+        self._original_attn_impl = implementation
+
+    return switch_to_cb_friendly_attn
 
 
 def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -492,7 +511,9 @@ class _Session:
             raise ValueError(
                 f"bcg continuous batching: the model's attention is {implementation!r}; bcg makes "
                 f"the paged attention a break for {' and '.join(_ATTENTION)} only. Load the model "
-                'with attn_implementation="sdpa" (or "eager"), or remove the bcg handle.'
+                'with attn_implementation="sdpa" (or "eager") and build the engine after '
+                "enable_continuous_batching() (one built before may have switched it to flash), "
+                "or remove the bcg handle."
             )
         if not isinstance(tf_runner.inputs_and_outputs, ContinuousBatchingIOs):
             raise TypeError("bcg continuous batching: asynchronous IO pairs are not supported")
