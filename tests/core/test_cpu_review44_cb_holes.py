@@ -4,7 +4,7 @@ float32; the model, prompts, configs and the one stub (the engine's free-memory 
 those of ``test_cpu_continuous_batching.py``.
 
 - An engine asked to compile its step (``ContinuousBatchingConfig.varlen_compile_config`` /
-  ``decode_compile_config``, or the generation config's ``compile_config``) ran it uncompiled
+  ``decode_compile_config``) ran it uncompiled
   through bcg's graphs without a word: the setting was dropped silently.
 - Where flash attention is installed, transformers' engine swaps an ``sdpa``/``eager`` model to
   ``paged|flash_attention_*`` when it starts (``switch_to_cb_friendly_attn``): an enabled

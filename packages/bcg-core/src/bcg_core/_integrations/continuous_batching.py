@@ -371,9 +371,10 @@ def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
         if enabled and compiled:
             # bcg's runner calls transformers' uncompiled step: the setting would vanish unseen.
             logger.warning(
-                "bcg continuous batching: %s (or the generation config's compile_config) is not "
-                "used: bcg runs the engine's step uncompiled through its own graphs; remove the "
-                "setting, or remove the bcg handle to run transformers' compiled step",
+                "bcg continuous batching: the engine's %s (set directly, by default_compile_level "
+                "or from a compile_config) is not used: bcg runs the engine's step uncompiled "
+                "through its own graphs; remove the setting, or remove the bcg handle to run "
+                "transformers' compiled step",
                 " and ".join(compiled),
             )
         processor = original(self)
