@@ -10,6 +10,10 @@ those of ``test_cpu_continuous_batching.py``.
   ``paged|flash_attention_*`` when it starts (``switch_to_cb_friendly_attn``): an enabled
   model, loaded with ``attn_implementation="sdpa"`` as bcg asks, then failed every request
   (bcg refuses the flash paths) with an error telling the user to load it with sdpa.
+- ``manager.stop()`` (not kept for the next session) gives the model its own attention back;
+  ``manager.start()`` again then ran on plain ``sdpa``: bcg failed every request with an error
+  telling the user to load the model with sdpa (transformers' own engine, without bcg,
+  silently generates other tokens there).
 """
 
 from __future__ import annotations
@@ -92,3 +96,31 @@ def test_an_enabled_model_keeps_its_attention_where_flash_is_installed(
     assert stats.graphs >= 1 and stats.replays > 0 and stats.eager_calls == 0
     assert model.config._attn_implementation == "sdpa"
     assert not cb._enabled  # nothing left enabled
+
+
+def test_a_manager_started_again_after_stop_serves_its_paged_attention() -> None:
+    """A manager stopped (not kept) and started again: its new engine puts the model back on
+    its paged attention, as the first start did, and serves the tokens of the first run."""
+    model = make_model()
+    gen, cb_config = configs()
+    with bcg_core.enable_continuous_batching(model) as handle:
+        manager = model.init_continuous_batching(
+            generation_config=gen, continuous_batching_config=cb_config
+        )
+        runs = []
+        for _ in range(2):
+            manager.start()
+            for i, p in enumerate(prompts()):
+                manager.add_request(p, request_id=f"r{i}", max_new_tokens=gen.max_new_tokens)
+            results = {}
+            while len(results) < len(prompts()):
+                out = manager.get_result(timeout=60)
+                assert out is not None, "the engine stopped before every request finished"
+                results[out.request_id] = (list(out.generated_tokens), out.status.name)
+            manager.stop(block=True)
+            assert model.config._attn_implementation == "sdpa"  # given back at stop()
+            runs.append(results)
+        stats = handle.stats()
+    assert runs[1] == runs[0]
+    assert {status for _, status in runs[1].values()} == {"FINISHED"}
+    assert stats.eager_calls == 0 and stats.replays > 0

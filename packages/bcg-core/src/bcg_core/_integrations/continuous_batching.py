@@ -377,6 +377,10 @@ def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
                 "transformers' compiled step",
                 " and ".join(compiled),
             )
+        if enabled:
+            # stop() (not kept) gave the model its own attention back; a manager started again
+            # needs its paged one, as init_continuous_batching() does for a kept manager.
+            self.switch_to_cb_friendly_attn(self.model)
         processor = original(self)
         runner = processor.model_runner
         with _lock:
