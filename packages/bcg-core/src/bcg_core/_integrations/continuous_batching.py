@@ -10,8 +10,9 @@ call, capture or replay, the break rebuilds the attention's arguments from the l
 engine's ``ContinuousBatchingIOs``) with the batch's true sizes, exactly as the eager engine
 would pass them, and slices the query to the batch's true tokens.
 
-The engine is reached through three methods of ``ModelRunner`` and three of
-``ContinuousBatchingManager`` (which builds the runner and starts the engine's thread), plus the
+The engine is reached through three methods of ``ModelRunner`` and four of
+``ContinuousBatchingManager`` (which picks the model's paged attention, builds the runner and
+starts the engine's thread), plus the
 ``paged|sdpa`` and ``paged|eager`` entries of transformers' ``AttentionInterface``: patched
 while any handle is alive (each handle holds one reference per patch,
 ``bcg_core.patch_attribute``), restored when the last is removed. They act only for enabled
@@ -170,7 +171,8 @@ def enable_continuous_batching(
     transformers' own ``ContinuousBatchingConfig.q_padding_interval_size`` (its default, 64,
     when unset); the KV read is never padded, and each batch's attention gets exactly the
     arguments the eager engine would give it. On CUDA this replaces transformers' own CUDA
-    graphs for the model (``use_cuda_graph`` is ignored); a model on the CPU captures with
+    graphs for the model (``use_cuda_graph`` is ignored, and so are the engine's compile configs,
+    with a warning: the step runs uncompiled); a model on the CPU captures with
     bcg's CPU graph backend. The engine's warm-up (on by default: the largest bucket) captures
     at once (bcg first zeroes the cache rows its made-up request reads, which nothing wrote, so
     a sampling engine does not draw from NaN); in serving, a bucket is captured once it recurs
@@ -319,6 +321,7 @@ def _patch() -> PatchHandle:
     runner_cls = model_runner.ModelRunner
     manager_cls = continuous_api.ContinuousBatchingManager
     targets: list[tuple[Any, str, Callable[[Any], Any]]] = [
+        (manager_cls, "switch_to_cb_friendly_attn", _wrap_switch),
         (manager_cls, "_create_batch_processor", _wrap_create),
         (manager_cls, "start", _wrap_start),
         (manager_cls, "_run_generation_loop", _wrap_loop),
@@ -329,6 +332,23 @@ def _patch() -> PatchHandle:
     mapping: dict[str, Any] = AttentionInterface._global_mapping
     targets += [(mapping, name, _WRAP_PAGED[name]) for name in _ATTENTION]
     return PatchHandle.patch_all(targets)
+
+
+def _wrap_switch(original: Callable[..., Any]) -> Callable[..., Any]:
+    def switch_to_cb_friendly_attn(self: Any, model: Any) -> None:
+        implementation = model.config._attn_implementation
+        with _lock:
+            enabled = model in _enabled
+        if not enabled or implementation not in ("sdpa", "eager"):
+            original(self, model)
+            return
+        # transformers swaps in flash attention where it is installed, which bcg cannot break
+        # on (the engine then failed every request): an enabled model keeps its paged sdpa or
+        # eager, given back at stop() as transformers' own switch is.
+        model.set_attn_implementation(_PAGED + implementation)
+        self._original_attn_impl = implementation
+
+    return switch_to_cb_friendly_attn
 
 
 def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -342,6 +362,25 @@ def _wrap_create(original: Callable[..., Any]) -> Callable[..., Any]:
                 "(bcg graphs use one set of static inputs)"
             )
             self.continuous_batching_config.use_async_batching = False
+        config = self.continuous_batching_config
+        compiled = [
+            name
+            for name in ("varlen_compile_config", "decode_compile_config")
+            if getattr(config, name, None) is not None
+        ]
+        if enabled and compiled:
+            # bcg's runner calls transformers' uncompiled step: the setting would vanish unseen.
+            logger.warning(
+                "bcg continuous batching: the engine's %s (set directly, by default_compile_level "
+                "or from a compile_config) is not used: bcg runs the engine's step uncompiled "
+                "through its own graphs; remove the setting, or remove the bcg handle to run "
+                "transformers' compiled step",
+                " and ".join(compiled),
+            )
+        if enabled:
+            # stop() (not kept) gave the model its own attention back; a manager started again
+            # needs its paged one, as init_continuous_batching() does for a kept manager.
+            self.switch_to_cb_friendly_attn(self.model)
         processor = original(self)
         runner = processor.model_runner
         with _lock:
@@ -477,7 +516,9 @@ class _Session:
             raise ValueError(
                 f"bcg continuous batching: the model's attention is {implementation!r}; bcg makes "
                 f"the paged attention a break for {' and '.join(_ATTENTION)} only. Load the model "
-                'with attn_implementation="sdpa" (or "eager"), or remove the bcg handle.'
+                'with attn_implementation="sdpa" (or "eager") and build the engine after '
+                "enable_continuous_batching() (one built before may have switched it to flash), "
+                "or remove the bcg handle."
             )
         if not isinstance(tf_runner.inputs_and_outputs, ContinuousBatchingIOs):
             raise TypeError("bcg continuous batching: asynchronous IO pairs are not supported")
