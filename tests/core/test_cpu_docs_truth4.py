@@ -4,15 +4,19 @@ last sessions' changes, on the CPU backend: each test is a documented behaviour,
 from __future__ import annotations
 
 import gc
+import re
 import timeit
 
+import pytest
 import torch
 
 from bcg_core import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
+    CaptureError,
     eager_on_graph,
     enable_breakable_cuda_graph,
+    get_current_stream,
 )
 
 
@@ -58,3 +62,37 @@ def test_gc_isenabled_inside_a_capture_follows_the_users_switch() -> None:
     finally:
         gc.enable()
         graph.reset()
+
+
+def _refusals() -> list[str]:
+    graph = BreakableCUDAGraph(backend="cpu")
+    messages = []
+    with pytest.raises(TypeError) as stream_error:
+        BreakableCUDAGraphCapture(graph, stream=object())
+    messages.append(str(stream_error.value))
+    with pytest.raises(TypeError) as pool_error:
+        BreakableCUDAGraphCapture(graph, pool=object())
+    messages.append(str(pool_error.value))
+    with (
+        pytest.raises(CaptureError) as default_error,
+        enable_breakable_cuda_graph(),
+        BreakableCUDAGraphCapture(graph, stream=get_current_stream("cpu")),
+    ):
+        torch.ones(2).mul(2)
+    messages.append(str(default_error.value))
+    graph.reset()
+    return messages
+
+
+def test_the_cpu_backends_stream_and_pool_refusals_name_only_public_remedies() -> None:
+    """The refusals of a foreign stream, the default stream and a foreign pool told to pass
+    one 'made by backend_for('cpu').new_stream()' (or new_pool()): bcg_core exports no
+    backend_for (it lives in the private bcg_core._backends), so the advice was a NameError."""
+    import bcg_core
+
+    for message in _refusals():
+        assert "backend_for" not in message, message
+        called = set(re.findall(r"(\w+)\(", message))
+        public = set(bcg_core.__all__) | {"pool"}  # BreakableCUDAGraph.pool()
+        assert called <= public, (called - public, message)
+        assert "=None" in message, message
