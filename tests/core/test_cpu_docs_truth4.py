@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import re
 import timeit
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +97,32 @@ def test_the_cpu_backends_stream_and_pool_refusals_name_only_public_remedies() -
         public = set(bcg_core.__all__) | {"pool"}  # BreakableCUDAGraph.pool()
         assert called <= public, (called - public, message)
         assert "=None" in message, message
+
+
+def test_a_static_cache_reorder_keeps_the_tensors_a_closed_over_graph_reads() -> None:
+    """DESIGN 'Stateful inputs' said `reorder_cache` rebinds each layer's tensors, so replays
+    over a closed-over cache read the old ones, silently; since the beam-search patch that
+    `breakable_attention` installs, the reorder writes into the same tensors (the section
+    'A StaticCache reordered for beam search keeps its addresses'). The text now says so."""
+    transformers = pytest.importorskip("transformers")
+    import bcg_core
+
+    name = bcg_core.breakable_attention("sdpa")
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=64, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=8)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 64, (3, 4)), past_key_values=cache)
+    layer = cache.layers[0]
+    before = (layer.keys, layer.values)
+    want = [t.index_select(0, torch.tensor([2, 0, 0])) for t in before]
+    cache.reorder_cache(torch.tensor([2, 0, 0]))
+    assert layer.keys is before[0] and layer.values is before[1]
+    assert torch.equal(layer.keys, want[0]) and torch.equal(layer.values, want[1])
+    text = (Path(__file__).resolve().parents[2] / "packages/bcg-core/DESIGN.md").read_text()
+    stateful = text[text.index("### Stateful inputs") : text.index("## The transformers integ")]
+    assert "`reorder_cache`, which rebinds each layer's tensors" not in stateful
