@@ -126,3 +126,27 @@ def test_a_static_cache_reorder_keeps_the_tensors_a_closed_over_graph_reads() ->
     text = (Path(__file__).resolve().parents[2] / "packages/bcg-core/DESIGN.md").read_text()
     stateful = text[text.index("### Stateful inputs") : text.index("## The transformers integ")]
     assert "`reorder_cache`, which rebinds each layer's tensors" not in stateful
+
+
+def test_capture_of_a_call_whose_written_argument_overlaps_another_says_what_it_runs() -> None:
+    """capture()'s docstring said the step runs warmup_iters + 1 times, or once when the call
+    cannot be captured; a call whose written argument shares memory with another is captured,
+    dropped and run again eagerly (warmup_iters + 2 runs, nothing captured). Its docstring now
+    says so; the behaviour is the one it states."""
+    import bcg_core
+
+    runs = []
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        runs.append(1)
+        x.add_(1)
+        return x + y
+
+    runner = bcg_core.BreakableGraphRunner(step, device="cpu", warmup_iters=2)
+    x = torch.zeros(3)
+    out = runner.capture(x, x)
+    assert torch.equal(x, torch.ones(3)) and torch.equal(out, torch.full((3,), 2.0))
+    assert len(runs) == 2 + 2
+    assert (runner.stats.captures, runner.stats.misses, runner.stats.entries) == (0, 1, ())
+    doc = bcg_core.BreakableGraphRunner.capture.__doc__ or ""
+    assert "overlaps another argument" in doc and "runs once more, eagerly" in doc
