@@ -3,7 +3,9 @@ last sessions' changes, on the CPU backend: each test is a documented behaviour,
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 import re
 import timeit
 from pathlib import Path
@@ -150,3 +152,35 @@ def test_capture_of_a_call_whose_written_argument_overlaps_another_says_what_it_
     assert (runner.stats.captures, runner.stats.misses, runner.stats.entries) == (0, 1, ())
     doc = bcg_core.BreakableGraphRunner.capture.__doc__ or ""
     assert "overlaps another argument" in doc and "runs once more, eagerly" in doc
+
+
+class _Patched:
+    def f(self) -> str:
+        return "original"
+
+
+def _wrap(original: object) -> object:
+    return lambda self: "patched"
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_a_patch_handle_cannot_be_copied_so_a_reference_is_released_once(how: str) -> None:
+    """PatchHandle holds references: a shallow copy shared them, and removing the handle and
+    its copy released one reference twice, restoring an attribute that another handle still
+    held ('active') — that holder's breaks silently gone. A deep copy said 'active' and held
+    nothing. Copying or pickling a handle now raises TypeError, as for graphs and runners."""
+    import bcg_core
+
+    mine = bcg_core.patch_attribute(_Patched, "f", _wrap)
+    other = bcg_core.patch_attribute(_Patched, "f", _wrap)
+    try:
+        copier = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": pickle.dumps}[how]
+        with pytest.raises(TypeError, match="cannot be copied"):
+            copier(mine)
+        mine.remove()
+        assert _Patched().f() == "patched" and other.active
+        assert bcg_core.PatchHandle.count(_Patched, "f") == 1
+    finally:
+        mine.remove()
+        other.remove()
+    assert _Patched().f() == "original"

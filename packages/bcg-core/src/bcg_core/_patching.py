@@ -36,7 +36,7 @@ import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, NoReturn, SupportsIndex, TypeVar
 
 logger = logging.getLogger("bcg_core")
 
@@ -120,7 +120,8 @@ class PatchHandle(Removable):
 
     :meth:`remove` releases them (idempotent); a ``with`` block releases them on exit. Dropping
     a handle without removing it keeps its patches for the life of the process, as an
-    unreleased reference should. Made by bcg, never by hand.
+    unreleased reference should. Made by bcg, never by hand; it cannot be copied or pickled
+    (``TypeError``): call :func:`patch_attribute` again for another reference.
 
     Args:
         refs: the references it holds, one ``(patched attribute, wrap)`` pair each.
@@ -160,6 +161,15 @@ class PatchHandle(Removable):
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
         return f"PatchHandle({', '.join(self.targets)}; {state})"
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # copy.copy, copy.deepcopy and pickle all come here. A shallow copy shared the
+        # references, so removing it and the original released one twice (another holder's
+        # patch was undone); a deep copy said "active" and held nothing.
+        raise TypeError(
+            "a PatchHandle cannot be copied or pickled: it holds references on patched "
+            "attributes; take another reference with patch_attribute() instead"
+        )
 
     @staticmethod
     def count(target: Any, name: str) -> int:
