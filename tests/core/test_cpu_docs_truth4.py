@@ -184,3 +184,31 @@ def test_a_patch_handle_cannot_be_copied_so_a_reference_is_released_once(how: st
         mine.remove()
         other.remove()
     assert _Patched().f() == "original"
+
+
+def test_a_continuous_batching_handle_cannot_be_copied_so_it_is_released_once() -> None:
+    """A shallow copy of a ContinuousBatchingHandle shared its count: removing the handle and
+    its copy took the model's handle count down twice, so bcg was off for a model whose other
+    handle still said 'active'. Copying now raises TypeError; the other handle keeps bcg on."""
+    import bcg_core
+
+    transformers = pytest.importorskip("transformers")
+    from bcg_core._integrations.continuous_batching import _enabled  # noqa: PLC2701
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("sdpa")
+    mine = bcg_core.enable_continuous_batching(model)
+    other = bcg_core.enable_continuous_batching(model)
+    try:
+        with pytest.raises(TypeError, match="cannot be copied"):
+            copy.copy(mine)
+        mine.remove()
+        assert other.active and model in _enabled
+    finally:
+        mine.remove()
+        other.remove()
+    assert model not in _enabled

@@ -106,6 +106,16 @@ class Removable:
     def __enter__(self: _R) -> _R:
         return self
 
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # copy.copy, copy.deepcopy and pickle all come here. A shallow copy shared the
+        # handle's references, so removing it and the original released one twice (another
+        # holder's patch or enablement was undone); a deep copy said "active" and held nothing.
+        raise TypeError(
+            f"a {type(self).__name__} cannot be copied or pickled: it holds references that "
+            "its remove() releases once; ask for another handle the way this one was made "
+            "(patch_attribute(), enable_continuous_batching() ...)"
+        )
+
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -161,15 +171,6 @@ class PatchHandle(Removable):
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
         return f"PatchHandle({', '.join(self.targets)}; {state})"
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
-        # copy.copy, copy.deepcopy and pickle all come here. A shallow copy shared the
-        # references, so removing it and the original released one twice (another holder's
-        # patch was undone); a deep copy said "active" and held nothing.
-        raise TypeError(
-            "a PatchHandle cannot be copied or pickled: it holds references on patched "
-            "attributes; take another reference with patch_attribute() instead"
-        )
 
     @staticmethod
     def count(target: Any, name: str) -> int:
