@@ -446,6 +446,10 @@ def test_swallowed_host_sync_still_fails_the_capture(x: torch.Tensor) -> None:
     assert not is_breakable_capture_active()
 
 
+# The collector's own answer: inside a capture gc.isenabled() answers with the user's switch.
+_COLLECTOR_ENABLED = gc.isenabled
+
+
 @pytest.mark.parametrize("user_disabled", [False, True])
 def test_automatic_collection_paused_in_capture_and_restored(
     x: torch.Tensor, user_disabled: bool
@@ -457,9 +461,9 @@ def test_automatic_collection_paused_in_capture_and_restored(
         seen: list[bool] = []
 
         def f() -> torch.Tensor:
-            seen.append(gc.isenabled())
+            seen.append(_COLLECTOR_ENABLED())
             y = eager_on_graph(_note_gc)(x * 2, seen)
-            seen.append(gc.isenabled())
+            seen.append(_COLLECTOR_ENABLED())
             return y + 1
 
         graph, out = _capture(f)
@@ -475,7 +479,7 @@ def test_automatic_collection_paused_in_capture_and_restored(
 
 
 def _note_gc(t: torch.Tensor, seen: list[bool]) -> torch.Tensor:
-    seen.append(gc.isenabled())
+    seen.append(_COLLECTOR_ENABLED())
     return t.clone()
 
 

@@ -219,7 +219,7 @@ def test_static_buffers_keep_no_autograd_history(device: str, n: int) -> None:
 
 # -- the collector's state -----------------------------------------------------------------------
 
-_GC_ENABLE, _GC_DISABLE = gc.enable, gc.disable
+_GC_ENABLE, _GC_DISABLE, _GC_ISENABLED = gc.enable, gc.disable, gc.isenabled
 
 
 @pytest.mark.parametrize("before", [True, False])
@@ -232,13 +232,16 @@ def test_the_users_gc_switch_inside_a_capture_stays(before: bool, inside: str) -
 
         def step() -> torch.Tensor:
             getattr(gc, inside)()
-            seen.append(gc.isenabled())  # still paused: no collection inside a capture
+            # Still paused: no collection inside a capture (the collector's own answer;
+            # gc.isenabled() answers with the user's switch there).
+            seen.append(_GC_ISENABLED())
             return torch.ones(2) * 2
 
         capture(step, BreakableCUDAGraph(backend="cpu"))
         assert seen == [False]
         assert gc.isenabled() is (inside == "enable")
-        assert gc.enable is _GC_ENABLE and gc.disable is _GC_DISABLE  # the wrappers are gone
+        # the wrappers are gone
+        assert (gc.enable, gc.disable, gc.isenabled) == (_GC_ENABLE, _GC_DISABLE, _GC_ISENABLED)
     finally:
         gc.enable()
 

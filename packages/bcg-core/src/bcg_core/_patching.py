@@ -36,7 +36,7 @@ import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, NoReturn, SupportsIndex, TypeVar
 
 logger = logging.getLogger("bcg_core")
 
@@ -106,6 +106,16 @@ class Removable:
     def __enter__(self: _R) -> _R:
         return self
 
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # copy.copy, copy.deepcopy and pickle all come here. A shallow copy shared the
+        # handle's references, so removing it and the original released one twice (another
+        # holder's patch or enablement was undone); a deep copy said "active" and held nothing.
+        raise TypeError(
+            f"a {type(self).__name__} cannot be copied or pickled: it holds references that "
+            "its remove() releases once; ask for another handle the way this one was made "
+            "(patch_attribute(), enable_continuous_batching() ...)"
+        )
+
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -120,7 +130,8 @@ class PatchHandle(Removable):
 
     :meth:`remove` releases them (idempotent); a ``with`` block releases them on exit. Dropping
     a handle without removing it keeps its patches for the life of the process, as an
-    unreleased reference should. Made by bcg, never by hand.
+    unreleased reference should. Made by bcg, never by hand; it cannot be copied or pickled
+    (``TypeError``): call :func:`patch_attribute` again for another reference.
 
     Args:
         refs: the references it holds, one ``(patched attribute, wrap)`` pair each.

@@ -103,8 +103,9 @@ def _use_stream(stream: CpuStream) -> Iterator[CpuStream]:
 
 def _not_a_cpu_stream(stream: Any) -> str:
     return (
+        # (It named backend_for('cpu').new_stream(), which bcg_core does not export.)
         f"the CPU graph backend captures on its own streams, got {stream!r}; leave "
-        "stream=None, or pass one made by backend_for('cpu').new_stream()"
+        "stream=None (the pool's capture lane)"
     )
 
 
@@ -166,8 +167,7 @@ class CpuSegment:
             # code that captures on get_current_stream() fails on CPU as it will on CUDA.
             raise CaptureError(
                 "CUDA graphs must be captured on a non-default stream, and so are CPU graphs: "
-                "leave stream=None (the pool's capture lane), or pass a stream made by "
-                "backend_for('cpu').new_stream()"
+                "leave stream=None (the pool's capture lane)"
             )
         if stream.capturing is not None:
             raise CaptureError(f"{stream!r} is already capturing")
@@ -254,7 +254,7 @@ class CpuBackend:
         if not isinstance(pool, CpuPool):
             raise TypeError(
                 f"the CPU graph backend captures into its own pools, got {pool!r}; pass another "
-                "CPU graph's pool() (or backend_for('cpu').new_pool()), or leave pool=None"
+                "CPU graph's pool(), or leave pool=None"
             )
 
     def check_stream(self, stream: Any) -> None:

@@ -13,6 +13,8 @@ capture, always removed with the last, by ``hook_attribute``: a patch of them ma
 import is theirs again afterwards) by functions that only note what the user asked for:
 at the end the collector is left exactly as the user last set it, so a ``gc.disable()`` made
 inside a capture stays, and a ``gc.enable()`` made there takes effect once no capture is open.
+``gc.isenabled`` answers with that noted switch: code saving and restoring it around a
+``gc.disable()`` (``timeit``) read the pause's False and left the collector off for good.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def _user_disable() -> None:
         _wanted = False
 
 
+def _user_isenabled() -> bool:
+    return _wanted
+
+
 @contextmanager
 def gc_paused() -> Iterator[None]:
     global _open, _wanted
@@ -54,6 +60,7 @@ def gc_paused() -> Iterator[None]:
             # patch of them made since (another library's, a test's monkeypatch).
             _removers.append(hook_attribute(gc, "enable", lambda _: _user_enable))
             _removers.append(hook_attribute(gc, "disable", lambda _: _user_disable))
+            _removers.append(hook_attribute(gc, "isenabled", lambda _: _user_isenabled))
         _open += 1
     try:
         yield

@@ -94,6 +94,7 @@ class ContinuousBatchingHandle(Removable):
     then runs transformers' code (from the batch it is preparing, which keeps bcg's padding and
     the patches until its forward); its graphs are kept until it is dropped, or replaced by new
     ones once the model is enabled again (that engine then reports to the new handle).
+    A handle cannot be copied or pickled (``TypeError``): enable the model again for another.
 
     Args:
         model: the enabled model (held weakly).

@@ -398,7 +398,10 @@ class BreakableGraphRunner:
         Runs the step ``warmup_iters + 1`` times (warm-ups, then the capture, whose output is
         returned); once when the signature is already captured (a replay) or cannot be
         captured (blocked, graphs disabled, no CUDA: one eager run). A capture that raises
-        blocks the signature, logs a warning, and the call runs eagerly instead.
+        blocks the signature, logs a warning, and the call runs eagerly instead. A call whose
+        argument the step writes overlaps another argument (or is expanded, or requires grad)
+        is captured, then its graph is dropped and the call runs once more, eagerly (a miss,
+        logged once; :meth:`capture_many` lists it as failed): capture with separate tensors.
 
         Args:
             *args: positional arguments for the module, as in a call.
