@@ -284,8 +284,9 @@ class DiTRunner(BreakableGraphRunner):
         Raises:
             ValueError: the model (or a submodule) carries a stateful diffusers hook, such as
                 the caches ``enable_cache`` installs, or one that casts or moves the weights
-                at every forward (``enable_layerwise_casting``, ``enable_group_offload``); no
-                window is opened.
+                around forwards (``enable_layerwise_casting``, ``enable_group_offload``,
+                accelerate's CPU offload from ``enable_model_cpu_offload`` or
+                ``enable_sequential_cpu_offload``); no window is opened.
         """
         # Those hooks decide on the host at every step whether to recompute or reuse (PAB,
         # TaylorSeer, FasterCache...): a graph would replay the capture's decision at every step.
@@ -300,12 +301,14 @@ class DiTRunner(BreakableGraphRunner):
             )
         if weights:
             raise ValueError(
-                f"bcg: {type(self.module).__name__} carries diffusers' hooks {sorted(weights)} "
-                "(enable_layerwise_casting(), enable_group_offload()): they cast or move every "
-                "weight around each forward, giving it new storage, so a graph would read the "
-                "capture's copies of the weights and write them back over the model's at every "
-                "replay. Load the model without them (weights in the compute dtype, on the "
-                "device) to capture it, or run it without DiTRunner"
+                f"bcg: {type(self.module).__name__} carries hooks {sorted(weights)} "
+                "(enable_layerwise_casting(), enable_group_offload(), a pipeline's "
+                "enable_model_cpu_offload() or enable_sequential_cpu_offload()): they cast or "
+                "move the weights around forwards, giving them new storage, so a graph would "
+                "read the capture's copies of the weights (freed memory once offloaded). Load "
+                "the model without them (weights in the compute dtype, on the device: "
+                "pipe.to('cuda') instead of CPU offload) to capture it, or run it without "
+                "DiTRunner"
             )
         self._patch_new_attention()
         if self._setup_captured is None or not self.stats.entries:
@@ -564,7 +567,24 @@ def _diffusers_hooks(model: Callable[..., Any]) -> tuple[set[str], set[str]]:
                 stateful.add(name)
             elif name in _WEIGHT_HOOKS:
                 weights.add(name)
+        weights.update(_accelerate_offload_hooks(getattr(sub, "_hf_hook", None)))
     return stateful, weights
+
+
+def _accelerate_offload_hooks(hook: Any) -> set[str]:
+    """accelerate's hooks (``module._hf_hook``) that move the weights off the device between
+    forwards: a pipeline's ``enable_model_cpu_offload()`` (``CpuOffload``) and
+    ``enable_sequential_cpu_offload()`` (``AlignDevicesHook(offload=True)``). Told by class
+    name and attribute, so accelerate is never imported; a ``SequentialHook`` is looked into.
+    Hooks that only move inputs (``device_map`` dispatch) leave the weights where they are."""
+    if hook is None:
+        return set()
+    found: set[str] = set()
+    for inner in getattr(hook, "hooks", None) or (hook,):
+        name = type(inner).__name__
+        if name in ("CpuOffload", "UserCpuOffloadHook") or getattr(inner, "offload", False):
+            found.add(f"accelerate {name}")
+    return found
 
 
 def _return_dict_default(model: Callable[..., Any]) -> Any:
