@@ -140,14 +140,35 @@ def test_a_runner_over_a_compiled_step_with_a_batch_size_break_compiles_twice() 
     compiled = torch.compile(
         lambda x: _rows(x.sin(), x.shape[0]) * 2, backend=counter, fullgraph=True
     )
-    runner = BreakableGraphRunner(compiled, device="cpu")
     batches = range(2, 14)
+    runner = BreakableGraphRunner(compiled, device="cpu", max_entries=len(batches))
     with runner.warmup():
         for batch in batches:
             runner(torch.randn(batch, 3))
+    hits = runner.stats.hits
     for batch in (*batches, 5, 2):
         x = torch.randn(batch, 3)
         assert torch.equal(runner(x), compiled(x))
         torch.testing.assert_close(runner(x), (x.sin() * 2 + batch) * 2)
+    assert runner.stats.hits == hits + 2 * (len(batches) + 2) and runner.stats.misses == 0
     assert runner.stats.captures == len(batches) and runner.stats.failed_captures == 0
+    assert counter.frame_count == 2
+
+
+def test_a_runner_over_a_compiled_step_with_a_position_break_compiles_twice() -> None:
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(
+        lambda x, pos: _add_pos(x.sin(), pos) * 2, backend=counter, fullgraph=True
+    )
+    positions = range(12)
+    runner = BreakableGraphRunner(compiled, device="cpu", max_entries=len(positions))
+    with runner.warmup():
+        for pos in positions:  # a signature each (a constant of it)
+            runner(torch.randn(4), pos)
+    for pos in (*positions, 3):
+        x = torch.randn(4)
+        assert torch.equal(runner(x, pos), compiled(x, pos))
+        torch.testing.assert_close(runner(x, pos), (x.sin() + pos) * 2)
+    assert runner.stats.captures == len(positions) and runner.stats.misses == 0
     assert counter.frame_count == 2
