@@ -13,7 +13,7 @@ import torch
 import torch._dynamo
 import torch._dynamo.testing
 
-from bcg_core import BreakableGraphRunner, eager_on_graph
+from bcg_core import BreakableGraphRunner, BreakOutputError, eager_on_graph
 
 
 @eager_on_graph(name="r44.add_pos")
@@ -172,3 +172,67 @@ def test_a_runner_over_a_compiled_step_with_a_position_break_compiles_twice() ->
         torch.testing.assert_close(runner(x, pos), (x.sin() + pos) * 2)
     assert runner.stats.captures == len(positions) and runner.stats.misses == 0
     assert counter.frame_count == 2
+
+
+def _short_stub(x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    return x.new_empty(n), n
+
+
+@eager_on_graph(name="r44.longer", capture_stub=_short_stub)
+def _longer(x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    return x.new_ones(n + 1), n  # one more than its stub says
+
+
+@eager_on_graph(name="r44.more", capture_stub=lambda x, n: (x.new_empty(n), n))
+def _more(x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    return x.new_ones(n), n + 1
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_size_an_int_decides_is_still_checked_against_the_stub(backend: str) -> None:
+    # With the int symbolic, the traced size was unchecked: aot_eager went on with the longer
+    # tensor and inductor failed with a raw assertion ("expected size 6==5").
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, n: _longer(x, n)[0] * 2, backend=backend, fullgraph=True)
+    x = torch.randn(3)
+    for n in range(2, 5):
+        with pytest.raises(BreakOutputError, match=rf"shape \({n + 1},\).*shape \({n},\)"):
+            compiled(x, n)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "eager"])
+def test_an_int_a_break_returns_is_still_checked_against_the_stub(backend: str) -> None:
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda x, n: _more(x, n)[0].sum() + _more(x, n)[1], backend=backend, fullgraph=True
+    )
+    x = torch.randn(3)
+    for n in range(2, 5):
+        with pytest.raises(BreakOutputError, match=f"returned {n + 1} at run time"):
+            compiled(x, n)
+
+
+@eager_on_graph(name="r44.longer_rows", capture_stub=lambda x: x.new_empty(x.shape[0]))
+def _longer_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.new_ones(x.shape[0] + 1)
+
+
+def test_a_size_a_dynamic_shape_decides_is_checked_against_the_stub() -> None:
+    # Under dynamic shapes the traced size was symbolic and never checked (aot_eager went on
+    # with the longer tensor, silently).
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: _longer_rows(x) * 2, backend="aot_eager", dynamic=True)
+    with pytest.raises(BreakOutputError, match=r"shape \(6,\).*shape \(5,\)"):
+        compiled(torch.randn(5, 2))
+
+
+def test_a_symbolic_number_is_a_leaf_not_walked() -> None:
+    # Walked by its attributes, a SymInt a compiled break's fake run returned reached the whole
+    # shape environment: the dry run's grad check took a minute per traced call under pytest.
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from bcg_core._trees import flatten  # noqa: PLC2701
+
+    n = ShapeEnv().create_unbacked_symint()
+    leaves, _ = flatten((n, torch.ones(1)))
+    assert len(leaves) == 2 and leaves[0] is n

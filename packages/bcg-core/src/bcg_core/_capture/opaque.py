@@ -85,17 +85,55 @@ class _Layout:
     out_leaves: list[Any] = field(default_factory=list)
     # Per tensor output, the strides compiled code after the op assumes (None: none known).
     out_strides: list[_Strides | None] = field(default_factory=list)
-    # Per tensor output, the traced dtype, device and shape (None for a symbolic size).
+    # Per tensor output, the traced dtype, device and shape (a sympy expression for a symbolic
+    # size).
     out_meta: list[_Meta] = field(default_factory=list)
+    # The symbols of the traced call's inputs, each at (leaf index, dimension; None for an int
+    # leaf): a run-time call gives their values, to check symbolic outputs against.
+    symbols: dict[Any, tuple[int, int | None]] = field(default_factory=dict)
 
 
 _TENSOR = object()
 _SYMINT = object()
-_Meta = tuple[torch.dtype, torch.device, tuple[int | None, ...]]
+_Meta = tuple[torch.dtype, torch.device, tuple[Any, ...]]
 
 
 def _meta(t: torch.Tensor) -> _Meta:
-    return t.dtype, t.device, tuple(d if type(d) is int else None for d in t.shape)
+    sizes: list[Any] = list(t.shape)
+    return t.dtype, t.device, tuple(d if type(d) is int else d.node.expr for d in sizes)
+
+
+def _symbols(flat: list[Any]) -> dict[Any, tuple[int, int | None]]:
+    """Where each symbol of a traced call's inputs (a symbolic int, a tensor's symbolic size)
+    sits among its leaves."""
+    found: dict[Any, tuple[int, int | None]] = {}
+    for k, x in enumerate(flat):
+        sizes: list[tuple[int | None, Any]] = [(None, x)]
+        if isinstance(x, torch.Tensor):
+            sizes = list(enumerate(x.shape))
+        for d, n in sizes:
+            if isinstance(n, torch.SymInt) and n.node.expr.is_Symbol:
+                found.setdefault(n.node.expr, (k, d))
+    return found
+
+
+def _evaluate(expr: Any, layout: _Layout, flat: list[Any]) -> int | None:
+    """A traced symbolic value (``expr``) for a run-time call's leaves ``flat``; None where
+    it names a symbol the call's inputs do not give."""
+    where = layout.symbols
+    if not expr.free_symbols <= where.keys():
+        return None
+    import sympy  # type: ignore[import-untyped]
+
+    values = {
+        sym: sympy.Integer(flat[k] if d is None else flat[k].shape[d])
+        for sym, (k, d) in where.items()
+        if sym in expr.free_symbols
+    }
+    try:
+        return int(expr.xreplace(values))
+    except (TypeError, ValueError):  # not a number after all: no check
+        return None
 
 
 class _Registered:
@@ -376,7 +414,7 @@ def _run_as_traced(
     with _autocast(amp):
         out = function(*args, **kwargs)
     got, got_spec = pytree.tree_flatten(out)
-    _check_output(name, got, got_spec, _layout(_sites.get(site, site)))
+    _check_output(name, got, got_spec, _layout(_sites.get(site, site)), flat)
     return out
 
 
@@ -593,7 +631,8 @@ def _written_tensors(
 
 def _call_args(
     layout: _Layout, mutated: list[Any], rest: list[Any], ints: list[Any]
-) -> tuple[Any, Any]:
+) -> tuple[Any, Any, list[Any]]:
+    """The call's args and kwargs, and its leaves."""
     m, r = iter(mutated), iter(rest)
     count = len(mutated) + len(rest)
     tensors = [next(m) if i in layout.mutated else next(r) for i in range(count)]
@@ -602,7 +641,7 @@ def _call_args(
         next(it) if x is _TENSOR else next(numbers) if x is _SYMINT else x for x in layout.leaves
     ]
     args, kwargs = pytree.tree_unflatten(flat, layout.spec)
-    return args, kwargs
+    return args, kwargs, flat
 
 
 def _rebuild(out_leaves: list[Any], outs: list[Any], out_spec: pytree.TreeSpec) -> Any:
@@ -697,12 +736,12 @@ def _real(
 ) -> list[torch.Tensor]:
     layout = _layout(key)
     function, _, name = _registered(layout.function)
-    args, kwargs = _call_args(layout, mutated, rest, ints)
+    args, kwargs, leaves = _call_args(layout, mutated, rest, ints)
     with _autocast(layout.amp):
         box = [function(*args, **kwargs)]  # held nowhere else: _made_by_call counts references
     made = _made_by_call(box)
     flat, spec = _fresh_outputs(box.pop(), [*mutated, *rest], name, made)
-    _check_output(name, flat, spec, layout)
+    _check_output(name, flat, spec, layout, leaves)
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     for i, want in enumerate(layout.out_strides):
         t = tensors[i]
@@ -715,9 +754,12 @@ def _real(
     return tensors
 
 
-def _check_output(name: str, flat: list[Any], spec: pytree.TreeSpec, layout: _Layout) -> None:
+def _check_output(
+    name: str, flat: list[Any], spec: pytree.TreeSpec, layout: _Layout, inputs: list[Any]
+) -> None:
     """Raise BreakOutputError where a run-time output (leaves and spec) differs from the traced
-    one in structure or in a plain value (the compiled code after the op uses traced ones)."""
+    one in structure or in a plain value (the compiled code after the op uses traced ones); a
+    symbolic one is checked against its value for the call's leaves ``inputs``."""
     if spec != layout.out_spec:
         raise BreakOutputError(
             f"break {name!r} returned {spec} at run time, but {layout.out_spec} when "
@@ -726,7 +768,17 @@ def _check_output(name: str, flat: list[Any], spec: pytree.TreeSpec, layout: _La
     metas = iter(layout.out_meta)
     for i, (got, want) in enumerate(zip(flat, layout.out_leaves, strict=True)):
         if want is _TENSOR:
-            _check_tensor(name, i, got, next(metas))
+            _check_tensor(name, i, got, next(metas), layout, inputs)
+        elif isinstance(want, torch.SymInt):
+            value = _evaluate(want.node.expr, layout, inputs)
+            if value is not None and not same_value(got, value):
+                raise BreakOutputError(
+                    f"break {name!r} returned {got!r} at run time as output leaf {i}, but "
+                    f"{want.node.expr} = {value} for this call when torch.compile traced it "
+                    "(its capture_stub's output, or the function's on fake tensors), and the "
+                    "compiled code after it uses the traced value. Make the capture_stub return "
+                    "the values the function returns."
+                )
         elif type(want) in PLAIN_VALUES and not same_value(got, want):
             raise BreakOutputError(
                 f"break {name!r} returned {got!r} at run time as output leaf {i}, but {want!r} "
@@ -736,11 +788,15 @@ def _check_output(name: str, flat: list[Any], spec: pytree.TreeSpec, layout: _La
             )
 
 
-def _check_tensor(name: str, i: int, got: Any, want: _Meta) -> None:
+def _check_tensor(
+    name: str, i: int, got: Any, want: _Meta, layout: _Layout, inputs: list[Any]
+) -> None:
     """Raise BreakOutputError where a run-time tensor output differs from the traced one in
-    dtype, device or a concrete size: the compiled code after the op is built for the traced
-    ones (inductor read a float64 output's memory as float32, silently)."""
-    dtype, device, shape = want
+    dtype, device or a size (a symbolic one evaluated for the call's leaves ``inputs``: a size
+    an int argument decides): the compiled code after the op is built for the traced ones
+    (inductor read a float64 output's memory as float32, silently)."""
+    dtype, device, traced = want
+    shape = [w if type(w) is int else _evaluate(w, layout, inputs) for w in traced]
     if isinstance(got, torch.Tensor):
         if (got.dtype, got.device, got.dim()) == (dtype, device, len(shape)) and all(
             w in (None, g) for g, w in zip(got.shape, shape, strict=True)
@@ -764,7 +820,7 @@ def _fake(
 ) -> list[torch.Tensor]:
     layout = _layout(key)
     _, fake, _ = _registered(layout.function)
-    args, kwargs = _call_args(layout, mutated, rest, ints)
+    args, kwargs, inputs = _call_args(layout, mutated, rest, ints)
     with _autocast(layout.amp), _real_tensors_allowed():
         result = fake(*args, **kwargs)
     flat, spec = _fresh_outputs(result, [*mutated, *rest])
@@ -775,6 +831,7 @@ def _fake(
             layout.out_spec, layout.out_leaves = spec, leaves
             layout.out_strides = [_Strides.of(t) for t in tensors]
             layout.out_meta = [_meta(t) for t in tensors]
+            layout.symbols = _symbols(inputs)
     return tensors
 
 
