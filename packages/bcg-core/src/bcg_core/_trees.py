@@ -86,6 +86,11 @@ _OPAQUE = (
     str,
     bytes,
     functools.partial,
+    # Symbolic numbers (a compiled break's fake run returns them): walked, their attributes
+    # reach the whole shape environment (a traced call took a minute).
+    torch.SymInt,
+    torch.SymFloat,
+    torch.SymBool,
 )
 
 

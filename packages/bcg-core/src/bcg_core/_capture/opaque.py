@@ -5,8 +5,9 @@ variables, and its body may sync or launch uncapturable work), and inductor must
 across it. Each call site becomes one call of the custom op ``bcg::opaque``: dynamo traces the
 call as a ``nonstrict_trace`` function (dynamo flattens the arguments, then runs the function
 itself, unchanged, on fake tensors at trace time and once more under AOTAutograd), and that
-function calls the op with the call's tensors and a key. The key names a *layout*, made at trace
-time from the call's argument structure and non-tensor values (which dynamo guards on), so the
+function calls the op with the call's tensors, its symbolic ints and a key. The key names a
+*layout*, made at trace time from the call's argument structure and other non-tensor values
+(which dynamo guards on; a changing int stays an argument of the op, not recompiled), so the
 op's real implementation, run by the compiled code, rebuilds the call and runs the registered
 Python function on the real tensors. The fake implementation runs the registered fake function
 (a break's ``capture_stub``, else the function itself) on fake tensors. Tensors the function
@@ -55,7 +56,8 @@ from bcg_core._trees import PLAIN_VALUES, same_value
 
 # Leaf types an opaque call may take besides tensors (what dynamo can put in a graph as a
 # constant); anything else (modules, plain objects) keeps a dynamo graph break. Symbolic numbers
-# (dynamic=True) pass for these types in traced code and are made concrete in _apply.
+# (dynamic=True) pass for these types in traced code: _apply passes ints to the op, the rest
+# concrete.
 CONSTANT_TYPES = (int, float, bool, str, complex, torch.dtype, torch.device, torch.layout)
 
 logger = logging.getLogger("bcg_core")
@@ -74,23 +76,64 @@ _op: Any = None
 class _Layout:
     function: int
     spec: pytree.TreeSpec
-    leaves: list[Any]  # the non-tensor leaves; tensor positions hold _TENSOR
+    # The non-tensor leaves; tensor positions hold _TENSOR, symbolic ints _SYMINT (the op takes
+    # those as arguments, so a changing int does not recompile).
+    leaves: list[Any]
     mutated: tuple[int, ...]  # indices among the call's tensors that the function writes into
     amp: tuple[Any, ...] | None  # the autocast state the call was traced under (modes.py)
     out_spec: pytree.TreeSpec | None = None
     out_leaves: list[Any] = field(default_factory=list)
     # Per tensor output, the strides compiled code after the op assumes (None: none known).
     out_strides: list[_Strides | None] = field(default_factory=list)
-    # Per tensor output, the traced dtype, device and shape (None for a symbolic size).
+    # Per tensor output, the traced dtype, device and shape (a sympy expression for a symbolic
+    # size).
     out_meta: list[_Meta] = field(default_factory=list)
+    # The symbols of the traced call's inputs, each at (leaf index, dimension; None for an int
+    # leaf): a run-time call gives their values, to check symbolic outputs against.
+    symbols: dict[Any, tuple[int, int | None]] = field(default_factory=dict)
 
 
 _TENSOR = object()
-_Meta = tuple[torch.dtype, torch.device, tuple[int | None, ...]]
+_SYMINT = object()
+_Meta = tuple[torch.dtype, torch.device, tuple[Any, ...]]
 
 
 def _meta(t: torch.Tensor) -> _Meta:
-    return t.dtype, t.device, tuple(d if type(d) is int else None for d in t.shape)
+    sizes: list[Any] = list(t.shape)
+    return t.dtype, t.device, tuple(d if type(d) is int else d.node.expr for d in sizes)
+
+
+def _symbols(flat: list[Any]) -> dict[Any, tuple[int, int | None]]:
+    """Where each symbol of a traced call's inputs (a symbolic int, a tensor's symbolic size)
+    sits among its leaves."""
+    found: dict[Any, tuple[int, int | None]] = {}
+    for k, x in enumerate(flat):
+        sizes: list[tuple[int | None, Any]] = [(None, x)]
+        if isinstance(x, torch.Tensor):
+            sizes = list(enumerate(x.shape))
+        for d, n in sizes:
+            if isinstance(n, torch.SymInt) and n.node.expr.is_Symbol:
+                found.setdefault(n.node.expr, (k, d))
+    return found
+
+
+def _evaluate(expr: Any, layout: _Layout, flat: list[Any]) -> int | None:
+    """A traced symbolic value (``expr``) for a run-time call's leaves ``flat``; None where
+    it names a symbol the call's inputs do not give."""
+    where = layout.symbols
+    if not expr.free_symbols <= where.keys():
+        return None
+    import sympy  # type: ignore[import-untyped]
+
+    values = {
+        sym: sympy.Integer(flat[k] if d is None else flat[k].shape[d])
+        for sym, (k, d) in where.items()
+        if sym in expr.free_symbols
+    }
+    try:
+        return int(expr.xreplace(values))
+    except (TypeError, ValueError):  # not a number after all: no check
+        return None
 
 
 class _Registered:
@@ -327,22 +370,33 @@ def _apply(
     function_id = _concrete(function_id)
     amp = _unbox(amp)
     flat, spec = pytree.tree_flatten(_unbox((args, kwargs)))
-    flat = [_concrete(x) for x in flat]
+    flat = [x if isinstance(x, torch.SymInt) else _concrete(x) for x in flat]
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    # Symbolic ints (a position, a batch size, x.shape[0]) stay symbolic: the op takes them as
+    # arguments (guarding each one to its value recompiled the frame at every new value, and
+    # fullgraph=True failed at the recompile limit).
+    ints = [x for x in flat if isinstance(x, torch.SymInt)]
     if torch._guards.detect_fake_mode(tensors) is None:
         return _output_nodes(_box(_run_as_traced(function_id, site, amp, flat, spec))), 0
-    key = _layout_for(function_id, flat, spec, tensors, amp)
+    try:
+        key = _layout_for(function_id, flat, spec, tensors, amp)
+    except _SymbolicRefused as exc:
+        # A function that cannot run on them (checks type(n) is int, calls int.bit_length)
+        # gets each int's value, guarded on, as before: each new value recompiles.
+        _warn_specialized(exc.name, exc.__cause__)
+        flat, ints = [_concrete(x) for x in flat], []
+        key = _layout_for(function_id, flat, spec, tensors, amp)
     layout = _layouts[key]
     functional, mutating, take = _ops()
     if layout.mutated:
         mutated = [tensors[i] for i in layout.mutated]
         rest = [t for i, t in enumerate(tensors) if i not in layout.mutated]
-        mutating(mutated, rest, key)
+        mutating(mutated, rest, ints, key)
         # Its tensor outputs come from a second op that reads the written tensors, so it runs
         # after the write (torch cannot functionalize an op that writes and returns tensors).
         outs = take(mutated, key)
     else:
-        outs = functional([], tensors, key)
+        outs = functional([], tensors, ints, key)
     assert layout.out_spec is not None  # set by the fake implementation the call just ran
     with _lock:
         _sites[site] = key
@@ -360,7 +414,7 @@ def _run_as_traced(
     with _autocast(amp):
         out = function(*args, **kwargs)
     got, got_spec = pytree.tree_flatten(out)
-    _check_output(name, got, got_spec, _layout(_sites.get(site, site)))
+    _check_output(name, got, got_spec, _layout(_sites.get(site, site)), flat)
     return out
 
 
@@ -373,10 +427,32 @@ def _autocast(amp: tuple[Any, ...] | None) -> contextlib.AbstractContextManager[
     return entered((torch.is_inference_mode_enabled(), amp))
 
 
+class _SymbolicRefused(Exception):
+    """The dry run failed on a call with symbolic ints: it is retried with their values."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _warn_specialized(name: str, cause: BaseException | None) -> None:
+    if first_time(("specialized", name)):
+        logger.warning(
+            "bcg: break %s failed on a symbolic int under torch.compile (%s: %s), so it gets "
+            "each int argument's value instead, and every new value recompiles the frame "
+            "(fullgraph=True fails at the recompile limit). To keep changing ints dynamic, make "
+            "the break (or its capture_stub) accept a torch.SymInt where it takes an int.",
+            name,
+            type(cause).__name__,
+            cause,
+        )
+
+
 def _concrete(x: Any) -> Any:
     """A symbolic number as the value it has now, guarded on: under ``dynamic=True`` dynamo
     passes a float such as an attention scale as a SymFloat, and an op's layout is made of
-    constants (a later call with another value recompiles)."""
+    constants (a later call with another value recompiles). Not for symbolic ints, which the
+    op takes as arguments."""
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         from torch.fx.experimental.symbolic_shapes import guard_scalar
 
@@ -431,7 +507,10 @@ def _layout_for(
 ) -> str:
     """A new layout for this traced call (one per trace: its output may depend on the traced
     shapes, and its symbolic values belong to that trace's shape environment)."""
-    leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat]
+    leaves = [
+        _TENSOR if isinstance(x, torch.Tensor) else _SYMINT if isinstance(x, torch.SymInt) else x
+        for x in flat
+    ]
     mutated = _written_tensors(function_id, flat, spec, tensors, amp)
     _refuse_overlaps(function_id, tensors, mutated)
     with _lock:
@@ -526,6 +605,8 @@ def _written_tensors(
         with _autocast(amp):
             out = fake(*args, **kwargs)
     except Exception as exc:
+        if any(isinstance(x, torch.SymInt) for x in flat):
+            raise _SymbolicRefused(name) from exc
         # Its graph break gets copies of list and dict arguments: one with those is a graph
         # break with the caller's arguments (a change the break makes to them was lost).
         broken = function_id if _takes_containers(args, kwargs) else None
@@ -548,14 +629,19 @@ def _written_tensors(
     )
 
 
-def _call_args(layout: _Layout, mutated: list[Any], rest: list[Any]) -> tuple[Any, Any]:
+def _call_args(
+    layout: _Layout, mutated: list[Any], rest: list[Any], ints: list[Any]
+) -> tuple[Any, Any, list[Any]]:
+    """The call's args and kwargs, and its leaves."""
     m, r = iter(mutated), iter(rest)
     count = len(mutated) + len(rest)
     tensors = [next(m) if i in layout.mutated else next(r) for i in range(count)]
-    it = iter(tensors)
-    flat = [next(it) if x is _TENSOR else x for x in layout.leaves]
+    it, numbers = iter(tensors), iter(ints)
+    flat = [
+        next(it) if x is _TENSOR else next(numbers) if x is _SYMINT else x for x in layout.leaves
+    ]
     args, kwargs = pytree.tree_unflatten(flat, layout.spec)
-    return args, kwargs
+    return args, kwargs, flat
 
 
 def _rebuild(out_leaves: list[Any], outs: list[Any], out_spec: pytree.TreeSpec) -> Any:
@@ -645,15 +731,17 @@ def _layout(key: str) -> _Layout:
     return layout
 
 
-def _real(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+def _real(
+    mutated: list[torch.Tensor], rest: list[torch.Tensor], ints: list[int], key: str
+) -> list[torch.Tensor]:
     layout = _layout(key)
     function, _, name = _registered(layout.function)
-    args, kwargs = _call_args(layout, mutated, rest)
+    args, kwargs, leaves = _call_args(layout, mutated, rest, ints)
     with _autocast(layout.amp):
         box = [function(*args, **kwargs)]  # held nowhere else: _made_by_call counts references
     made = _made_by_call(box)
     flat, spec = _fresh_outputs(box.pop(), [*mutated, *rest], name, made)
-    _check_output(name, flat, spec, layout)
+    _check_output(name, flat, spec, layout, leaves)
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     for i, want in enumerate(layout.out_strides):
         t = tensors[i]
@@ -666,9 +754,12 @@ def _real(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
     return tensors
 
 
-def _check_output(name: str, flat: list[Any], spec: pytree.TreeSpec, layout: _Layout) -> None:
+def _check_output(
+    name: str, flat: list[Any], spec: pytree.TreeSpec, layout: _Layout, inputs: list[Any]
+) -> None:
     """Raise BreakOutputError where a run-time output (leaves and spec) differs from the traced
-    one in structure or in a plain value (the compiled code after the op uses traced ones)."""
+    one in structure or in a plain value (the compiled code after the op uses traced ones); a
+    symbolic one is checked against its value for the call's leaves ``inputs``."""
     if spec != layout.out_spec:
         raise BreakOutputError(
             f"break {name!r} returned {spec} at run time, but {layout.out_spec} when "
@@ -677,7 +768,17 @@ def _check_output(name: str, flat: list[Any], spec: pytree.TreeSpec, layout: _La
     metas = iter(layout.out_meta)
     for i, (got, want) in enumerate(zip(flat, layout.out_leaves, strict=True)):
         if want is _TENSOR:
-            _check_tensor(name, i, got, next(metas))
+            _check_tensor(name, i, got, next(metas), layout, inputs)
+        elif isinstance(want, torch.SymInt):
+            value = _evaluate(want.node.expr, layout, inputs)
+            if value is not None and not same_value(got, value):
+                raise BreakOutputError(
+                    f"break {name!r} returned {got!r} at run time as output leaf {i}, but "
+                    f"{want.node.expr} = {value} for this call when torch.compile traced it "
+                    "(its capture_stub's output, or the function's on fake tensors), and the "
+                    "compiled code after it uses the traced value. Make the capture_stub return "
+                    "the values the function returns."
+                )
         elif type(want) in PLAIN_VALUES and not same_value(got, want):
             raise BreakOutputError(
                 f"break {name!r} returned {got!r} at run time as output leaf {i}, but {want!r} "
@@ -687,11 +788,15 @@ def _check_output(name: str, flat: list[Any], spec: pytree.TreeSpec, layout: _La
             )
 
 
-def _check_tensor(name: str, i: int, got: Any, want: _Meta) -> None:
+def _check_tensor(
+    name: str, i: int, got: Any, want: _Meta, layout: _Layout, inputs: list[Any]
+) -> None:
     """Raise BreakOutputError where a run-time tensor output differs from the traced one in
-    dtype, device or a concrete size: the compiled code after the op is built for the traced
-    ones (inductor read a float64 output's memory as float32, silently)."""
-    dtype, device, shape = want
+    dtype, device or a size (a symbolic one evaluated for the call's leaves ``inputs``: a size
+    an int argument decides): the compiled code after the op is built for the traced ones
+    (inductor read a float64 output's memory as float32, silently)."""
+    dtype, device, traced = want
+    shape = [w if type(w) is int else _evaluate(w, layout, inputs) for w in traced]
     if isinstance(got, torch.Tensor):
         if (got.dtype, got.device, got.dim()) == (dtype, device, len(shape)) and all(
             w in (None, g) for g, w in zip(got.shape, shape, strict=True)
@@ -710,10 +815,12 @@ def _check_tensor(name: str, i: int, got: Any, want: _Meta) -> None:
     )
 
 
-def _fake(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+def _fake(
+    mutated: list[torch.Tensor], rest: list[torch.Tensor], ints: list[Any], key: str
+) -> list[torch.Tensor]:
     layout = _layout(key)
     _, fake, _ = _registered(layout.function)
-    args, kwargs = _call_args(layout, mutated, rest)
+    args, kwargs, inputs = _call_args(layout, mutated, rest, ints)
     with _autocast(layout.amp), _real_tensors_allowed():
         result = fake(*args, **kwargs)
     flat, spec = _fresh_outputs(result, [*mutated, *rest])
@@ -724,6 +831,7 @@ def _fake(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> li
             layout.out_spec, layout.out_leaves = spec, leaves
             layout.out_strides = [_Strides.of(t) for t in tensors]
             layout.out_meta = [_meta(t) for t in tensors]
+            layout.symbols = _symbols(inputs)
     return tensors
 
 
@@ -819,12 +927,16 @@ def _take(key: str, written: list[torch.Tensor]) -> list[torch.Tensor]:
     return _fresh_outputs(outs, written)[0]
 
 
-def _real_mut(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> None:
-    _stash(key, _real(mutated, rest, key))
+def _real_mut(
+    mutated: list[torch.Tensor], rest: list[torch.Tensor], ints: list[int], key: str
+) -> None:
+    _stash(key, _real(mutated, rest, ints, key))
 
 
-def _fake_mut(mutated: list[torch.Tensor], rest: list[torch.Tensor], key: str) -> None:
-    _stash(key, _fake(mutated, rest, key))
+def _fake_mut(
+    mutated: list[torch.Tensor], rest: list[torch.Tensor], ints: list[Any], key: str
+) -> None:
+    _stash(key, _fake(mutated, rest, ints, key))
 
 
 def _real_take(written: list[torch.Tensor], key: str) -> list[torch.Tensor]:
@@ -847,14 +959,14 @@ def _ops() -> tuple[Any, Any, Any]:
                 "bcg::opaque",
                 _real,
                 mutates_args=(),
-                schema="(Tensor[] mutated, Tensor[] rest, str key) -> Tensor[]",
+                schema="(Tensor[] mutated, Tensor[] rest, SymInt[] ints, str key) -> Tensor[]",
             )
             functional.register_fake(_fake)
             mutating = torch.library.custom_op(
                 "bcg::opaque_mut",
                 _real_mut,
                 mutates_args=("mutated",),
-                schema="(Tensor(a!)[] mutated, Tensor[] rest, str key) -> ()",
+                schema="(Tensor(a!)[] mutated, Tensor[] rest, SymInt[] ints, str key) -> ()",
             )
             mutating.register_fake(_fake_mut)
             take = torch.library.custom_op(
