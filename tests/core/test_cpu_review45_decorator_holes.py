@@ -227,3 +227,18 @@ def test_a_break_inside_a_custom_op_implementation_is_refused_clearly() -> None:
     x.fill_(1.0)
     graph.replay()
     assert torch.equal(out, torch.full((4,), 55.0))
+
+
+class _AsyncCall:
+    async def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize("wrap", [lambda f: f, functools.partial], ids=["instance", "partial"])
+def test_a_callable_with_an_async_call_is_refused_also_through_a_partial(wrap: Any) -> None:
+    # A partial of a callable object whose __call__ is async was accepted: each replay made a
+    # coroutine never awaited, and the break did none of its work.
+    with pytest.raises(TypeError, match="async def function"):
+        eager_on_graph(wrap(_AsyncCall()))
+    with pytest.raises(TypeError, match=r"capture_stub .* async def function"):
+        eager_on_graph(capture_stub=wrap(_AsyncCall()))

@@ -247,8 +247,10 @@ def _lazy_kind(f: Callable[..., Any]) -> str | None:
     """What ``f`` returns instead of running its body when called, or None for a plain
     function: a coroutine, an async generator or a generator (a callable object is judged by
     its ``__call__``)."""
+    while isinstance(f, functools.partial):
+        f = f.func  # inspect sees through a partial of a function, not of a callable object
     candidates = [f]
-    if not inspect.isroutine(f) and not isinstance(f, functools.partial):
+    if not inspect.isroutine(f):
         candidates.append(type(f).__call__)  # f is callable, so its type has __call__
     for candidate in candidates:
         if inspect.iscoroutinefunction(candidate):
