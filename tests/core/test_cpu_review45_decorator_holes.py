@@ -242,3 +242,30 @@ def test_a_callable_with_an_async_call_is_refused_also_through_a_partial(wrap: A
         eager_on_graph(wrap(_AsyncCall()))
     with pytest.raises(TypeError, match=r"capture_stub .* async def function"):
         eager_on_graph(capture_stub=wrap(_AsyncCall()))
+
+
+@torch.library.custom_op("bcg_review45::op_over_break", mutates_args=())
+@eager_on_graph(name="r45.under_op")
+def _op_over_break(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_a_custom_op_over_a_break_is_refused_saying_to_decorate_the_op() -> None:
+    x = torch.arange(4.0)
+    graph = BreakableCUDAGraph(backend="cpu")
+    with (
+        pytest.raises(CaptureError, match=r"decorate the op instead: eager_on_graph\(op\)"),
+        enable_breakable_cuda_graph(),
+        BreakableCUDAGraphCapture(graph),
+    ):
+        _op_over_break(x) + 1
+    assert _get_current_dispatch_mode_stack() == []
+    assert not is_breakable_capture_active()
+    brk = eager_on_graph(torch.ops.bcg_review45.op_over_break)  # what the error says to do
+    graph = BreakableCUDAGraph(backend="cpu")
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        out = brk(x) + 1
+    assert graph.break_names == ("bcg_review45.op_over_break",)
+    x.fill_(3.0)
+    graph.replay()
+    assert torch.equal(out, torch.full((4,), 7.0))

@@ -696,7 +696,9 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
                 f"a break point ran inside the implementation of {func} (a torch.library "
                 "custom op or another op with a Python kernel), which the CPU graph backend "
                 "records as one step of a segment and cannot split between segments: call the "
-                "break before or after the op, not inside its implementation"
+                "break before or after the op, not inside its implementation (for a custom op "
+                "whose implementation is a break, decorate the op instead: "
+                "eager_on_graph(op))"
             )
         if self.error is not None:
             return out
