@@ -167,7 +167,7 @@ def test_a_decorated_forward_under_fullgraph_says_why_and_what_to_do() -> None:
         strict(torch.ones(4))
     said = str(raised.value)
     assert "_Forward.forward is a dynamo graph break" in said
-    assert "decorate a function that takes only tensors" in said
+    assert "decorate a function (or staticmethod) that takes only tensors" in said
     # Without fullgraph it compiles around the break and stays a break.
     torch._dynamo.reset()
     loose = torch.compile(lambda x: module(x) + 1, backend="aot_eager")
@@ -269,3 +269,18 @@ def test_a_custom_op_over_a_break_is_refused_saying_to_decorate_the_op() -> None
     x.fill_(3.0)
     graph.replay()
     assert torch.equal(out, torch.full((4,), 7.0))
+
+
+def test_a_classmethod_break_under_fullgraph_says_to_make_it_a_staticmethod() -> None:
+    # cls is no graph constant: the call is a dynamo graph break (an opaque op only with
+    # tensors and constants), which fullgraph=True refuses; a staticmethod is one op.
+    torch._dynamo.reset()
+    strict = torch.compile(
+        lambda x: _Methods.class_under(x) + 1, backend="aot_eager", fullgraph=True
+    )
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"_Methods\.class_under is a dyn"):
+        strict(torch.ones(4))
+    strict = torch.compile(
+        lambda x: _Methods.static_over(x) + 1, backend="aot_eager", fullgraph=True
+    )
+    assert torch.equal(strict(torch.ones(4)), torch.full((4,), 8.0))

@@ -195,8 +195,9 @@ def untraceable(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any])
     if not all(leaf is None or isinstance(leaf, kinds) for leaf in leaves):
         return (
             "an argument is neither a tensor nor a constant (a module, such as the self of a "
-            "decorated forward, or another object): decorate a function that takes only "
-            "tensors, numbers, strings, dtypes and devices (in lists, tuples and dicts)"
+            "decorated forward, a class, such as a classmethod's cls, or another object): "
+            "decorate a function (or staticmethod) that takes only tensors, numbers, strings, "
+            "dtypes and devices (in lists, tuples and dicts)"
         )
     grad = torch.is_grad_enabled()
     if grad and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
