@@ -687,6 +687,19 @@ class Recorder(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[
         if packet in _RESIZES and args:
             before = (_storage_ptr(args[0]), args[0].untyped_storage().nbytes())
         out = func(*args, **kwargs)
+        if self.stopped:
+            # A break (or break_graph) ran inside this op's Python implementation (a
+            # torch.library custom op) and ended this segment: the op is recorded as one step,
+            # which no segment can hold half of (the new segment's recorder was pushed below
+            # this one, and the capture failed later with an error about bcg's own ops).
+            raise CaptureError(
+                f"a break point ran inside the implementation of {func} (a torch.library "
+                "custom op or another op with a Python kernel), which the CPU graph backend "
+                "records as one step of a segment and cannot split between segments: call the "
+                "break before or after the op, not inside its implementation (for a custom op "
+                "whose implementation is a break, decorate the op instead: "
+                "eager_on_graph(op))"
+            )
         if self.error is not None:
             return out
         if before is not None and before[1] > 0 and _storage_ptr(args[0]) != before[0]:

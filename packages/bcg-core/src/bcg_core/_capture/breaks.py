@@ -132,7 +132,8 @@ def eager_on_graph(
             device tensor, for breaks meant to write into argument buffers (default False:
             returned tensors are copied into bridge buffers at every replay).
         name: the break's name in ``break_names``, logs and error messages (default: the
-            function's ``__qualname__``).
+            function's ``__qualname__``; an op of ``torch.ops`` as torch prints it, such as
+            ``aten.cumsum.default``).
         gated: True makes the call a break only while the flag (``is_in_breakable_cuda_graph``)
             is on, read when the call runs, so adapters need no flag read in code that
             ``torch.compile`` traces (default False: a break whenever a capture is active).
@@ -173,7 +174,7 @@ def eager_on_graph(
             return type(f)(again(f.__func__))
         if not callable(f):
             raise TypeError(f"@eager_on_graph decorates a callable, got {f!r}")
-        break_name: str = name or getattr(f, "__qualname__", None) or repr(f)
+        break_name: str = name or _default_name(f)
         _refuse_lazy_body(f, f"@eager_on_graph {break_name}")
 
         def call_eagerly(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -188,8 +189,14 @@ def eager_on_graph(
             if _is_compiling():  # dynamo folds this to True while tracing; False at run time
                 if not enable:
                     return f(*args, **kwargs)
-                if opaque.traceable(opaque_id, args, kwargs):
+                reason = opaque.untraceable(opaque_id, args, kwargs)
+                if reason is None:
                     return opaque.call(opaque_id, args, kwargs)
+                import torch._dynamo  # imported already: dynamo is tracing this
+
+                # Alone, the graph break at graph_broken made fullgraph=True fail with dynamo's
+                # "function marked as skipped", hinting to trace into it; this one says why.
+                torch._dynamo.graph_break(msg="bcg: break " + break_name + _UNTRACEABLE + reason)
                 return graph_broken(*args, **kwargs)
             return run(*args, **kwargs)
 
@@ -226,12 +233,24 @@ def eager_on_graph(
     return decorate if fn is None else decorate(fn)
 
 
+def _default_name(f: Callable[..., Any]) -> str:
+    """A break's name when none is given: the function's ``__qualname__``. An op of
+    ``torch.ops`` is named as torch prints it (``aten.cumsum``, ``aten.cumsum.default``): a
+    packet's ``__qualname__`` is pybind11's internal class name, an overload's drops the
+    overload."""
+    if isinstance(f, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(f)
+    return getattr(f, "__qualname__", None) or repr(f)
+
+
 def _lazy_kind(f: Callable[..., Any]) -> str | None:
     """What ``f`` returns instead of running its body when called, or None for a plain
     function: a coroutine, an async generator or a generator (a callable object is judged by
     its ``__call__``)."""
+    while isinstance(f, functools.partial):
+        f = f.func  # inspect sees through a partial of a function, not of a callable object
     candidates = [f]
-    if not inspect.isroutine(f) and not isinstance(f, functools.partial):
+    if not inspect.isroutine(f):
         candidates.append(type(f).__call__)  # f is callable, so its type has __call__
     for candidate in candidates:
         if inspect.iscoroutinefunction(candidate):
@@ -301,6 +320,11 @@ def break_graph() -> None:
     else:
         _split()
 
+
+_UNTRACEABLE = (
+    " is a dynamo graph break here, not one opaque op, so fullgraph=True refuses it (without "
+    "fullgraph=True it stays a break, and the code around it compiles as separate graphs): "
+)
 
 _SPLIT_UNDER_COMPILE = (
     "bcg: break_graph() is a dynamo graph break under torch.compile (the split is no op the "

@@ -218,22 +218,37 @@ def _registered(fid: int) -> tuple[Callable[..., Any], Callable[..., Any], str]:
     return (*functions, entry.name)
 
 
-def traceable(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether an opaque call of registered ``function_id`` can take these arguments (read by
-    dynamo at trace time). Not when grad mode is on and a tensor argument requires grad: the
-    op has no autograd formula (AOTAutograd failed the compile with "Trying to backward
-    through bcg.opaque.default"), so that call is a dynamo graph break, and autograd runs
-    through the eager break. Nor, once a traced call of the function changed a container
-    argument or failed on fake tensors with one (see :data:`_broken`), for calls that take a
-    list or dict (those without lose nothing: they stay one op, fullgraph=True included)."""
+def untraceable(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Why an opaque call of registered ``function_id`` cannot take these arguments, or None
+    when it can (read by dynamo at trace time; each reason is a constant string). Not when an
+    argument is no tensor or constant (a module, a plain object). Not when grad mode is on and
+    a tensor argument requires grad: the op has no autograd formula (AOTAutograd failed the
+    compile with "Trying to backward through bcg.opaque.default"), so that call is a dynamo
+    graph break, and autograd runs through the eager break. Nor, once a traced call of the
+    function changed a container argument or failed on fake tensors with one (see
+    :data:`_broken`), for calls that take a list or dict (those without lose nothing: they stay
+    one op, fullgraph=True included)."""
     if function_id in _broken and _takes_containers(args, kwargs):
-        return False
+        return (
+            "it takes a list or dict, and an earlier traced call of it changed one or failed on "
+            "fake tensors (bcg's warning then said why and what to do)"
+        )
     leaves = pytree.tree_leaves((args, kwargs))
     kinds = (torch.Tensor, *CONSTANT_TYPES)
     if not all(leaf is None or isinstance(leaf, kinds) for leaf in leaves):
-        return False
+        return (
+            "an argument is neither a tensor nor a constant (a module, such as the self of a "
+            "decorated forward, a class, such as a classmethod's cls, or another object): "
+            "decorate a function (or staticmethod) that takes only tensors, numbers, strings, "
+            "dtypes and devices (in lists, tuples and dicts)"
+        )
     grad = torch.is_grad_enabled()
-    return not (grad and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves))
+    if grad and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+        return (
+            "a tensor argument requires grad and the op has no backward: call it under "
+            "torch.no_grad() (autograd then runs through the eager break)"
+        )
+    return None
 
 
 # Stands for ``None`` across the nonstrict call, whose inputs and outputs must be graph types
@@ -360,7 +375,7 @@ def _apply(
         call = _unbox((args, kwargs))
         if function_id in _broken and _takes_containers(*call):
             # The call below would get dynamo's rebuilt copies of the containers (a change to
-            # one was lost): raising makes dynamo run the frame again, where traceable() sends
+            # one was lost): raising makes dynamo run the frame again, where untraceable() sends
             # the call to the graph break with the caller's.
             raise RuntimeError(_broken[function_id])
         out = _eager(_registered(function_id)[0], *call)
