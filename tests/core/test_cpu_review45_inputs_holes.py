@@ -1,0 +1,69 @@
+"""Holes found by the second input-zoo review (session 45), on the CPU graph backend: unusual
+but legal inputs and outputs (dtypes, layouts, lazy bits, non-tensor values), every replay
+compared with eager."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from bcg_core import BreakableGraphRunner
+
+
+@pytest.fixture(autouse=True)
+def _quiet(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.CRITICAL, logger="bcg_core")
+
+
+def _complex() -> torch.Tensor:
+    return torch.randn(4, dtype=torch.complex64)
+
+
+def _conjugated_argument() -> torch.Tensor:
+    return torch.randn(4, dtype=torch.complex64).conj()
+
+
+@pytest.mark.parametrize(
+    ("step", "make"),
+    [
+        (lambda x: x.conj(), _complex),
+        (lambda x: x[1:].conj(), _complex),
+        (lambda x: torch._neg_view(x), lambda: torch.randn(4)),
+        (lambda x: x.conj().imag, _complex),
+        (lambda x: x.imag, _conjugated_argument),
+    ],
+    ids=["conj", "conj-of-a-slice", "neg-view", "imag-of-conj", "imag-of-a-conjugated-argument"],
+)
+@pytest.mark.parametrize("views", [False, True])
+def test_a_returned_lazily_conjugated_or_negated_view_of_an_argument_keeps_its_bit(
+    step: Callable[[torch.Tensor], torch.Tensor],
+    make: Callable[[], torch.Tensor],
+    views: bool,
+) -> None:
+    # A step returning a view of its argument gets the same view of the caller's tensor back,
+    # rebuilt from sizes, strides and offset alone: the lazy conjugate and negative bits were
+    # dropped, so x.conj() replayed x itself (silently wrong values), and x.imag of a
+    # conjugated argument raised torch's raw "view is not supported for conjugate view" error.
+    runner = BreakableGraphRunner(step, device="cpu", return_views=views)
+    for i in range(3):
+        x = make()
+        want = step(x.clone()).resolve_conj().resolve_neg()
+        got = runner.capture(x) if i == 0 else runner(x)
+        assert torch.equal(got.resolve_conj().resolve_neg(), want), i
+    assert runner.stats.hits == 2
+
+
+def test_a_returned_conjugate_view_still_writes_through_to_the_argument() -> None:
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x.conj()
+
+    runner = BreakableGraphRunner(step, device="cpu")
+    runner.capture(_complex())
+    x = _complex()
+    want = x.clone()
+    got = runner(x)
+    got.add_(1j)  # eager: x.conj() += 1j is x -= 1j
+    assert torch.equal(x, want - 1j)
