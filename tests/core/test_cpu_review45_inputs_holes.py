@@ -67,3 +67,24 @@ def test_a_returned_conjugate_view_still_writes_through_to_the_argument() -> Non
     got = runner(x)
     got.add_(1j)  # eager: x.conj() += 1j is x -= 1j
     assert torch.equal(x, want - 1j)
+
+
+def _scaled_by_keys(x: torch.Tensor, d: dict[torch.Tensor, float]) -> torch.Tensor:
+    return x * sum(k.sum() * v for k, v in d.items())
+
+
+def test_a_dict_keyed_by_tensors_is_keyed_by_the_key_objects_without_raising() -> None:
+    # Dict keys that are not all strings are compared with ==; a tensor key's == is
+    # elementwise, so the miss log comparing a call's dict keyed by another tensor with the
+    # captured one raised torch's raw "Boolean value of Tensor with more than one value is
+    # ambiguous" out of the runner's call.
+    runner = BreakableGraphRunner(_scaled_by_keys, device="cpu")
+    key = torch.ones(3)
+    runner.capture(torch.ones(2), {key: 2.0})
+    assert torch.equal(runner(torch.ones(2), {key: 2.0}), torch.full((2,), 6.0))
+    assert runner.stats.hits == 1
+    for other in (torch.full((3,), 2.0), torch.ones(3), torch.ones(1)):
+        d = {other: 2.0}
+        assert torch.equal(runner(torch.ones(2), d), _scaled_by_keys(torch.ones(2), d))
+    assert runner.stats.hits == 1
+    assert runner.stats.misses == 3

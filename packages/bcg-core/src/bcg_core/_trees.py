@@ -255,14 +255,36 @@ def _same_keys(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     return True
 
 
+class _Identity:
+    """A dict key compared by identity: a tensor, whose ``==`` is elementwise (comparing two
+    signatures of dicts keyed by tensors raised torch's "Boolean value of Tensor with more than
+    one value is ambiguous" from a runner's miss log). It hashes by identity already."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        return repr(self.obj)
+
+
 def _context_key(context: Any) -> Hashable:
     """A hashable, comparable form of a node's context (lists become tuples; dict keys that
-    are not all strings a :class:`_Keys`)."""
+    are not all strings a :class:`_Keys`, tensor keys compared by identity)."""
     try:
         hash(context)  # attribute and field names, None: the common cases, as they are
     except TypeError:
         if isinstance(context, (list, tuple)):
-            items = tuple(_context_key(c) for c in context)
+            items = tuple(
+                _Identity(c) if isinstance(c, torch.Tensor) else _context_key(c) for c in context
+            )
             return items if all(type(c) is str for c in items) else _Keys(items)
         return repr(context)
     key: Hashable = context
