@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -88,3 +89,33 @@ def test_a_dict_keyed_by_tensors_is_keyed_by_the_key_objects_without_raising() -
         assert torch.equal(runner(torch.ones(2), d), _scaled_by_keys(torch.ones(2), d))
     assert runner.stats.hits == 1
     assert runner.stats.misses == 3
+
+
+class _Tensors(list[torch.Tensor]):
+    """A list subclass pytree does not register: the tree walker leaves it whole."""
+
+
+@pytest.mark.parametrize(
+    ("step", "first"),
+    [
+        (lambda x: {x * 2}, lambda out: next(iter(out))),
+        (lambda x: (x, frozenset([x * 2])), lambda out: next(iter(out[1]))),
+        (lambda x: _Tensors([x * 2]), lambda out: out[0]),
+    ],
+    ids=["set", "frozenset-in-a-tuple", "list-subclass"],
+)
+def test_an_output_holding_tensors_in_an_unwalked_container_runs_eagerly(
+    step: Callable[[torch.Tensor], Any], first: Callable[[Any], torch.Tensor]
+) -> None:
+    # The runner clones its output by walking it; a set or an unregistered list subclass is a
+    # leaf of the walk, so each call returned the static output's tensors themselves and the
+    # next replay overwrote an earlier result (silently: 4.0 became 6.0). Such a step's capture
+    # is refused now, and its calls run eagerly.
+    runner = BreakableGraphRunner(step, device="cpu")
+    runner.capture(torch.ones(2))
+    assert runner.stats.failed_captures == 1
+    earlier = runner(torch.full((2,), 2.0))
+    later = runner(torch.full((2,), 3.0))
+    assert torch.equal(first(earlier), torch.full((2,), 4.0))
+    assert torch.equal(first(later), torch.full((2,), 6.0))
+    assert runner.stats.hits == 0

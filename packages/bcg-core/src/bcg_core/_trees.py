@@ -449,6 +449,32 @@ def map_tensors(
 # collector after the caller let go.
 
 
+# Leaves that hold items the walk does not see: sets, and subclasses of the built-in
+# containers that pytree does not register (see _OPAQUE).
+_UNWALKED_CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque)
+
+
+def hidden_tensor_holder(obj: Any) -> str | None:
+    """The type name of the first leaf of ``obj`` that is a container the walk leaves whole (a
+    ``set``, a ``frozenset``, an unregistered ``list``/``tuple``/``dict`` subclass) and holds a
+    tensor, at any depth of such containers; None when there is none. ``map_tensors`` cannot
+    reach those tensors (a runner's clone of its output left them the static output)."""
+
+    def holds(x: Any, active: set[int]) -> bool:
+        if isinstance(x, torch.Tensor):
+            return True
+        if not isinstance(x, _UNWALKED_CONTAINERS) or id(x) in active:
+            return False
+        active.add(id(x))
+        items = [*x.keys(), *x.values()] if isinstance(x, dict) else x
+        return any(holds(item, active) for item in items)
+
+    for leaf in flatten(obj)[0]:
+        if not isinstance(leaf, torch.Tensor) and holds(leaf, set()):
+            return type(leaf).__qualname__
+    return None
+
+
 def object_ids(obj: Any) -> set[int]:
     """The ids of the dataclasses and plain objects in ``obj``, and in them."""
     found: set[int] = set()
