@@ -119,3 +119,29 @@ def test_an_output_holding_tensors_in_an_unwalked_container_runs_eagerly(
     assert torch.equal(first(earlier), torch.full((2,), 4.0))
     assert torch.equal(first(later), torch.full((2,), 6.0))
     assert runner.stats.hits == 0
+
+
+def _plus_first(x: torch.Tensor, held: Any) -> torch.Tensor:
+    return x + next(iter(held))
+
+
+@pytest.mark.parametrize("kind", ["list-subclass", "set"])
+def test_a_tensor_put_into_a_container_argument_the_walk_leaves_whole_is_not_replayed_stale(
+    kind: str,
+) -> None:
+    # A set or an unregistered list subclass is a leaf keyed by identity: the same container
+    # given another tensor (l[0] = t) had the capture's signature, and the replay read the
+    # old tensor's memory (1.0 where eager gives 5.0; freed memory on a GPU). Its tensors'
+    # addresses are keyed now: such a call misses and runs eagerly.
+    runner = BreakableGraphRunner(_plus_first, device="cpu")
+    held: Any = _Tensors([torch.ones(2)]) if kind == "list-subclass" else {torch.ones(2)}
+    runner.capture(torch.zeros(2), held)
+    assert torch.equal(runner(torch.zeros(2), held), torch.ones(2))
+    assert runner.stats.hits == 1
+    if kind == "list-subclass":
+        held[0] = torch.full((2,), 5.0)
+    else:
+        held.clear()
+        held.add(torch.full((2,), 5.0))
+    assert torch.equal(runner(torch.zeros(2), held), torch.full((2,), 5.0))
+    assert runner.stats.hits == 1

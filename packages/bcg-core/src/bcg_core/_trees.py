@@ -451,26 +451,35 @@ def map_tensors(
 
 # Leaves that hold items the walk does not see: sets, and subclasses of the built-in
 # containers that pytree does not register (see _OPAQUE).
-_UNWALKED_CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque)
+UNWALKED_CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque)
+
+
+def hidden_tensors(leaf: Any) -> list[torch.Tensor]:
+    """The tensors a leaf of the walk holds when it is a container the walk leaves whole (a
+    ``set``, a ``frozenset``, an unregistered ``list``/``tuple``/``dict`` subclass), at any
+    depth of such containers, in iteration order; empty for any other leaf."""
+    found: list[torch.Tensor] = []
+    active: set[int] = set()
+
+    def collect(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, UNWALKED_CONTAINERS) and id(x) not in active:
+            active.add(id(x))
+            for item in [*x.keys(), *x.values()] if isinstance(x, dict) else x:
+                collect(item)
+
+    if isinstance(leaf, UNWALKED_CONTAINERS):
+        collect(leaf)
+    return found
 
 
 def hidden_tensor_holder(obj: Any) -> str | None:
-    """The type name of the first leaf of ``obj`` that is a container the walk leaves whole (a
-    ``set``, a ``frozenset``, an unregistered ``list``/``tuple``/``dict`` subclass) and holds a
-    tensor, at any depth of such containers; None when there is none. ``map_tensors`` cannot
-    reach those tensors (a runner's clone of its output left them the static output)."""
-
-    def holds(x: Any, active: set[int]) -> bool:
-        if isinstance(x, torch.Tensor):
-            return True
-        if not isinstance(x, _UNWALKED_CONTAINERS) or id(x) in active:
-            return False
-        active.add(id(x))
-        items = [*x.keys(), *x.values()] if isinstance(x, dict) else x
-        return any(holds(item, active) for item in items)
-
+    """The type name of the first leaf of ``obj`` holding :func:`hidden_tensors`, or None.
+    ``map_tensors`` cannot reach those tensors (a runner's clone of its output left them the
+    static output)."""
     for leaf in flatten(obj)[0]:
-        if not isinstance(leaf, torch.Tensor) and holds(leaf, set()):
+        if hidden_tensors(leaf):
             return type(leaf).__qualname__
     return None
 
