@@ -145,3 +145,35 @@ def test_a_tensor_put_into_a_container_argument_the_walk_leaves_whole_is_not_rep
         held.add(torch.full((2,), 5.0))
     assert torch.equal(runner(torch.zeros(2), held), torch.full((2,), 5.0))
     assert runner.stats.hits == 1
+
+
+def _times_total(x: torch.Tensor, held: Any) -> torch.Tensor:
+    return x * sum(held)
+
+
+@pytest.mark.parametrize(
+    ("make", "change"),
+    [
+        (lambda: {1}, lambda s: s.add(2)),
+        (lambda: _Numbers([1]), lambda ns: ns.append(2)),
+        (lambda: bytearray(b"\x01"), lambda b: b.append(2)),
+    ],
+    ids=["set", "list-subclass", "bytearray"],
+)
+def test_a_container_argument_the_walk_leaves_whole_changed_in_place_is_not_replayed_stale(
+    make: Callable[[], Any], change: Callable[[Any], None]
+) -> None:
+    # Keyed by identity alone, the same set changed in place (s.add(2)) hit the capture's
+    # graph, which computed with its old contents: 1.0 where eager gives 3.0.
+    runner = BreakableGraphRunner(_times_total, device="cpu")
+    held = make()
+    runner.capture(torch.ones(2), held)
+    assert torch.equal(runner(torch.ones(2), held), torch.ones(2))
+    assert runner.stats.hits == 1
+    change(held)
+    assert torch.equal(runner(torch.ones(2), held), torch.full((2,), 3.0))
+    assert runner.stats.hits == 1
+
+
+class _Numbers(list[int]):
+    """A list subclass pytree does not register: the tree walker leaves it whole."""

@@ -20,8 +20,9 @@ container types, dict keys, field and attribute names, lengths) plus one key per
   ``_scalars.py``): its type only, never its value;
 - constants (None, bool, int, float, complex, str, bytes, enums, dtypes, devices, sizes) by
   value (every NaN of one sign is one value); every other leaf by identity (the runner
-  keeps such objects alive with their entry, so an id cannot be recycled under it); a set or
-  container subclass (a leaf of the walk) holding tensors is keyed by their addresses too.
+  keeps such objects alive with their entry, so an id cannot be recycled under it); a set,
+  bytearray or container subclass (a leaf of the walk) by its contents too (constants by
+  value, tensors by address, other items by identity).
 
 A call of plain tensors, plain values and lifted scalars only (the serving hot path, positional
 or keyword) skips the walk: its signature is built directly, equal to the one the walk gives.
@@ -295,15 +296,25 @@ def walked_signature(
                 # a float or complex subclass (numpy's float64, complex128): its -0.0 as well
                 kind = f"{kind} with negative zeros {signs}"
             keys.append(("const", kind, _const_value(leaf)))
-        elif held := _trees.hidden_tensors(leaf):
-            # A set or container subclass holding tensors is a leaf keyed by identity, and the
-            # graph reads its tensors where they were at capture: a tensor put in their place
-            # (l[0] = t) replayed the old one's memory. Their addresses are keyed, as in objects.
-            where = tuple((tuple(t.shape), t.dtype, t.device, _addr(t)) for t in held)
-            keys.append(("object", _object_kind(leaf), id(leaf), where))
+        elif (held := _trees.hidden_leaves(leaf)) is not None:
+            # A set, bytearray or container subclass is a leaf passed as itself, and the graph
+            # computed with its contents at capture: keyed by identity alone, the same one
+            # changed in place (s.add(2), l[0] = t) replayed the capture's values, or a tensor's
+            # freed memory. Its contents are keyed too: constants by value, tensors by address
+            # (as inside objects), anything else by identity.
+            keys.append(("object", _object_kind(leaf), id(leaf), tuple(map(_held_key, held))))
         else:
             keys.append(("object", _object_kind(leaf), id(leaf)))
     return (spec, tuple(keys)), live
+
+
+def _held_key(x: Any) -> Any:
+    """The key of an item of a set or container subclass (see :func:`walked_signature`)."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor@", tuple(x.shape), x.dtype, x.device, _addr(x))
+    if isinstance(x, _CONSTANTS):
+        return ("const", _const_kind(x), _const_value(x))
+    return ("object", id(x))
 
 
 def _object_kind(leaf: Any) -> str:
@@ -447,9 +458,8 @@ def _describe(leaf: Any) -> str:
         return repr(leaf[2])
     if kind == "scalar":
         return f"a Python {leaf[1]} copied into a device scalar"
-    if len(leaf) > 3:  # a container holding tensors, keyed by their addresses too
-        where = ", ".join(f"{addr[0]:#x}" for *_, addr in leaf[3])
-        return f"{leaf[1]} object #{leaf[2]:x} holding tensors at addresses [{where}]"
+    if len(leaf) > 3:  # a set or container subclass, keyed by its contents too
+        return f"{leaf[1]} object #{leaf[2]:x} holding {len(leaf[3])} items (keyed by value)"
     return f"{leaf[1]} object #{leaf[2]:x}"
 
 

@@ -454,32 +454,37 @@ def map_tensors(
 UNWALKED_CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque)
 
 
-def hidden_tensors(leaf: Any) -> list[torch.Tensor]:
-    """The tensors a leaf of the walk holds when it is a container the walk leaves whole (a
-    ``set``, a ``frozenset``, an unregistered ``list``/``tuple``/``dict`` subclass), at any
-    depth of such containers, in iteration order; empty for any other leaf."""
-    found: list[torch.Tensor] = []
+def hidden_leaves(leaf: Any) -> list[Any] | None:
+    """What a leaf of the walk holds when it is a container the walk leaves whole (a ``set``,
+    a ``frozenset``, an unregistered ``list``/``tuple``/``dict`` subclass): its items (a dict's
+    keys and values) in iteration order, at any depth of such containers; a ``bytearray``'s
+    bytes; None for any other leaf. A graph reads them as they were at capture."""
+    if isinstance(leaf, bytearray):
+        return [bytes(leaf)]
+    if not isinstance(leaf, UNWALKED_CONTAINERS):
+        return None
+    found: list[Any] = []
     active: set[int] = set()
 
     def collect(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
+        if not isinstance(x, UNWALKED_CONTAINERS) or id(x) in active:
             found.append(x)
-        elif isinstance(x, UNWALKED_CONTAINERS) and id(x) not in active:
-            active.add(id(x))
-            for item in [*x.keys(), *x.values()] if isinstance(x, dict) else x:
-                collect(item)
+            return
+        active.add(id(x))
+        for item in [*x.keys(), *x.values()] if isinstance(x, dict) else x:
+            collect(item)
 
-    if isinstance(leaf, UNWALKED_CONTAINERS):
-        collect(leaf)
+    collect(leaf)
     return found
 
 
 def hidden_tensor_holder(obj: Any) -> str | None:
-    """The type name of the first leaf of ``obj`` holding :func:`hidden_tensors`, or None.
-    ``map_tensors`` cannot reach those tensors (a runner's clone of its output left them the
-    static output)."""
+    """The type name of the first leaf of ``obj`` whose :func:`hidden_leaves` hold a tensor, or
+    None. ``map_tensors`` cannot reach those tensors (a runner's clone of its output left them
+    the static output)."""
     for leaf in flatten(obj)[0]:
-        if hidden_tensors(leaf):
+        held = hidden_leaves(leaf)
+        if held and any(isinstance(x, torch.Tensor) for x in held):
             return type(leaf).__qualname__
     return None
 
