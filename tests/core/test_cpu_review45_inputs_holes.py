@@ -5,6 +5,7 @@ compared with eager."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -210,3 +211,25 @@ def test_an_object_s_tensor_rebound_to_a_lazy_view_of_its_memory_is_not_replayed
     meta.t = rebound(base)
     assert torch.equal(runner(x, meta).resolve_conj().resolve_neg(), (x * meta.t).resolve_neg())
     assert runner.stats.hits == 0
+
+
+def _mode_class() -> type[enum.IntEnum]:
+    class Mode(enum.IntEnum):  # one name, two classes (two modules, or made by a factory)
+        A = 1
+
+    return Mode
+
+
+def test_equal_members_of_two_int_enums_of_one_name_are_two_signatures() -> None:
+    # Int enum members compare by value, and the key held the type's name: Mode.A of another
+    # class named Mode replayed the graph captured for the first (2.0 where eager gives 3.0).
+    first, second = _mode_class(), _mode_class()
+
+    def step(x: torch.Tensor, mode: enum.IntEnum) -> torch.Tensor:
+        return x * (2 if type(mode) is first else 3)
+
+    runner = BreakableGraphRunner(step, device="cpu")
+    runner.capture(torch.ones(2), first.A)
+    assert torch.equal(runner(torch.ones(2), first.A), torch.full((2,), 2.0))
+    assert torch.equal(runner(torch.ones(2), second.A), torch.full((2,), 3.0))
+    assert runner.stats.hits == 1

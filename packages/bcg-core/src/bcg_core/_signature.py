@@ -140,13 +140,17 @@ def _flat_spec(n_args: int, names: tuple[str, ...], tensors: tuple[bool, ...]) -
 
 
 def _const_kind(leaf: Any) -> str:
-    """A constant's type name; ``-0.0`` is its own kind (it equals ``0.0`` and hashes alike,
-    but ``x / -0.0`` is not ``x / 0.0``), and so is a complex with a ``-0.0`` part
-    (``cmath.phase(complex(-1, -0.0))`` is ``-pi``, not ``pi``)."""
+    """A constant's type name (an enum's class); ``-0.0`` is its own kind (it equals ``0.0``
+    and hashes alike, but ``x / -0.0`` is not ``x / 0.0``), and so is a complex with a
+    ``-0.0`` part (``cmath.phase(complex(-1, -0.0))`` is ``-pi``, not ``pi``)."""
     if _trees.is_negative_zero(leaf):
         return "negative-zero float"
     if type(leaf) is complex and True in (signs := _trees.zero_signs(leaf)):
         return f"complex with negative zeros (real, imaginary): {signs}"
+    if isinstance(leaf, enum.Enum):
+        # Members of two int enums of one name are equal (1 == 1) and were one key: the class
+        # tells them apart (the member in the key keeps its class, and so its id, alive).
+        return f"{type(leaf).__qualname__} #{id(type(leaf)):x}"
     return type(leaf).__name__
 
 
