@@ -13,7 +13,15 @@ from typing import Any
 import pytest
 import torch
 
-from bcg_core import BreakableGraphRunner
+from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    BreakableGraphRunner,
+    BreakOutputError,
+    eager_on_graph,
+    enable_breakable_cuda_graph,
+    is_in_breakable_cuda_graph,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -233,3 +241,34 @@ def test_equal_members_of_two_int_enums_of_one_name_are_two_signatures() -> None
     assert torch.equal(runner(torch.ones(2), first.A), torch.full((2,), 2.0))
     assert torch.equal(runner(torch.ones(2), second.A), torch.full((2,), 3.0))
     assert runner.stats.hits == 1
+
+
+@pytest.mark.parametrize(
+    "wrap", [set, frozenset, _Tensors], ids=["set", "frozenset", "list-subclass"]
+)
+def test_a_break_returning_tensors_in_an_unwalked_container_is_refused_at_capture(
+    wrap: Callable[[list[torch.Tensor]], Any],
+) -> None:
+    # Tensors in a container the walk leaves whole are not bridged: the code after the break
+    # read the capture's tensor at every replay (a list subclass: 2.0 where eager gives 6.0,
+    # silently; a set raised BreakOutputError only at the first replay).
+    @eager_on_graph
+    def make(x: torch.Tensor) -> Any:
+        return wrap([x * 2])
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return next(iter(make(x * 1))) * 1
+
+    graph = BreakableCUDAGraph(backend="cpu")
+    x = torch.ones(2)
+    with (
+        pytest.raises(BreakOutputError, match="holding tensors"),
+        enable_breakable_cuda_graph(),
+        BreakableCUDAGraphCapture(graph),
+    ):
+        step(x)
+    assert not is_in_breakable_cuda_graph()
+    runner = BreakableGraphRunner(step, device="cpu")
+    runner.capture(torch.ones(2))
+    assert runner.stats.failed_captures == 1
+    assert torch.equal(runner(torch.full((2,), 3.0)), torch.full((2,), 6.0))
