@@ -272,3 +272,28 @@ def test_a_break_returning_tensors_in_an_unwalked_container_is_refused_at_captur
     runner.capture(torch.ones(2))
     assert runner.stats.failed_captures == 1
     assert torch.equal(runner(torch.full((2,), 3.0)), torch.full((2,), 6.0))
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [_Numbers, lambda ns: torch.Size(ns)],
+    ids=["list-subclass", "torch-size"],
+)
+def test_a_break_returning_another_value_in_an_unwalked_container_is_named_at_replay(
+    wrap: Callable[[list[int]], Any],
+) -> None:
+    # Plain values a break returns are judged at every replay (the code after it computed
+    # with the capture's); in a list subclass or a torch.Size they were not: the replay
+    # computed with the capture's count silently (6.0 where eager gives 18.0).
+    @eager_on_graph
+    def count(x: torch.Tensor) -> Any:
+        return wrap([int(x.sum().item())])
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x * sum(count(x * 1))
+
+    runner = BreakableGraphRunner(step, device="cpu")
+    runner.capture(torch.ones(2))
+    assert torch.equal(runner(torch.ones(2)), torch.full((2,), 2.0))
+    with pytest.raises(BreakOutputError, match="stale"):
+        runner(torch.full((2,), 3.0))

@@ -350,8 +350,14 @@ _JUDGED = (
 
 def is_plain_value(x: Any) -> bool:
     """Whether a leaf is a value whose change later code would miss (see ``same_value``):
-    one of ``PLAIN_VALUES`` or of the other value types above."""
-    return type(x) in PLAIN_VALUES or isinstance(x, _JUDGED) or _host_array(x)
+    one of ``PLAIN_VALUES`` or of the other value types above, or a container the walk leaves
+    whole (a ``list``/``tuple``/``dict`` subclass pytree does not register, a ``torch.Size``)
+    holding only such values: a break's ``L([n])`` was never judged, and the code after it
+    replayed the capture's ``n`` silently."""
+    if type(x) in PLAIN_VALUES or isinstance(x, _JUDGED) or _host_array(x):
+        return True
+    held = hidden_leaves(x)
+    return held is not None and all(is_plain_value(h) for h in held)
 
 
 def _host_array(x: Any) -> bool:
