@@ -12,7 +12,8 @@ container types, dict keys, field and attribute names, lengths) plus one key per
   or quantized tensor, or a tensor subclass, is an object of the signature, keyed by
   identity and passed as itself (a static buffer would be a plain dense tensor, and replaying
   a graph captured on one would not run what eager runs);
-- a tensor inside a dataclass or plain object: shape, dtype, device **and storage address**.
+- a tensor inside a dataclass or plain object: shape, dtype, device **and storage address**
+  (with its strides and lazy conjugate and negative bits).
   Objects (metadata, caches) are passed to the model as themselves, so the graph reads those
   tensors where they were at capture; a tensor rebound to another address gives another
   signature (a miss that names the attribute), never a stale replay;
@@ -20,7 +21,9 @@ container types, dict keys, field and attribute names, lengths) plus one key per
   ``_scalars.py``): its type only, never its value;
 - constants (None, bool, int, float, complex, str, bytes, enums, dtypes, devices, sizes) by
   value (every NaN of one sign is one value); every other leaf by identity (the runner
-  keeps such objects alive with their entry, so an id cannot be recycled under it).
+  keeps such objects alive with their entry, so an id cannot be recycled under it); a set,
+  bytearray or container subclass (a leaf of the walk) by its contents too (constants by
+  value, tensors by address, other items by identity).
 
 A call of plain tensors, plain values and lifted scalars only (the serving hot path, positional
 or keyword) skips the walk: its signature is built directly, equal to the one the walk gives.
@@ -137,13 +140,17 @@ def _flat_spec(n_args: int, names: tuple[str, ...], tensors: tuple[bool, ...]) -
 
 
 def _const_kind(leaf: Any) -> str:
-    """A constant's type name; ``-0.0`` is its own kind (it equals ``0.0`` and hashes alike,
-    but ``x / -0.0`` is not ``x / 0.0``), and so is a complex with a ``-0.0`` part
-    (``cmath.phase(complex(-1, -0.0))`` is ``-pi``, not ``pi``)."""
+    """A constant's type name (an enum's class); ``-0.0`` is its own kind (it equals ``0.0``
+    and hashes alike, but ``x / -0.0`` is not ``x / 0.0``), and so is a complex with a
+    ``-0.0`` part (``cmath.phase(complex(-1, -0.0))`` is ``-pi``, not ``pi``)."""
     if _trees.is_negative_zero(leaf):
         return "negative-zero float"
     if type(leaf) is complex and True in (signs := _trees.zero_signs(leaf)):
         return f"complex with negative zeros (real, imaginary): {signs}"
+    if isinstance(leaf, enum.Enum):
+        # Members of two int enums of one name are equal (1 == 1) and were one key: the class
+        # tells them apart (the member in the key keeps its class, and so its id, alive).
+        return f"{type(leaf).__qualname__} #{id(type(leaf)):x}"
     return type(leaf).__name__
 
 
@@ -294,9 +301,25 @@ def walked_signature(
                 # a float or complex subclass (numpy's float64, complex128): its -0.0 as well
                 kind = f"{kind} with negative zeros {signs}"
             keys.append(("const", kind, _const_value(leaf)))
+        elif (held := _trees.hidden_leaves(leaf)) is not None:
+            # A set, bytearray or container subclass is a leaf passed as itself, and the graph
+            # computed with its contents at capture: keyed by identity alone, the same one
+            # changed in place (s.add(2), l[0] = t) replayed the capture's values, or a tensor's
+            # freed memory. Its contents are keyed too: constants by value, tensors by address
+            # (as inside objects), anything else by identity.
+            keys.append(("object", _object_kind(leaf), id(leaf), tuple(map(_held_key, held))))
         else:
             keys.append(("object", _object_kind(leaf), id(leaf)))
     return (spec, tuple(keys)), live
+
+
+def _held_key(x: Any) -> Any:
+    """The key of an item of a set or container subclass (see :func:`walked_signature`)."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor@", tuple(x.shape), x.dtype, x.device, _addr(x))
+    if isinstance(x, _CONSTANTS):
+        return ("const", _const_kind(x), _const_value(x))
+    return ("object", id(x))
 
 
 def _object_kind(leaf: Any) -> str:
@@ -313,8 +336,11 @@ def _object_kind(leaf: Any) -> str:
     return f"{name} (a tensor subclass)"
 
 
-def _addr(t: torch.Tensor) -> tuple[int, tuple[int, ...]]:
-    return (t.data_ptr(), t.stride())
+def _addr(t: torch.Tensor) -> tuple[int, tuple[int, ...], bool, bool]:
+    """Where a tensor used in place lies, and its lazy conjugate and negative bits: a graph
+    reads that memory as the capture's tensor did (``m.t = m.t.conj()`` kept the address,
+    and a replay read the values unconjugated)."""
+    return (t.data_ptr(), t.stride(), t.is_conj(), t.is_neg())
 
 
 def static_call(
@@ -440,6 +466,8 @@ def _describe(leaf: Any) -> str:
         return repr(leaf[2])
     if kind == "scalar":
         return f"a Python {leaf[1]} copied into a device scalar"
+    if len(leaf) > 3:  # a set or container subclass, keyed by its contents too
+        return f"{leaf[1]} object #{leaf[2]:x} holding {len(leaf[3])} items (keyed by value)"
     return f"{leaf[1]} object #{leaf[2]:x}"
 
 

@@ -260,14 +260,36 @@ def _same_keys(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     return True
 
 
+class _Identity:
+    """A dict key compared by identity: a tensor, whose ``==`` is elementwise (comparing two
+    signatures of dicts keyed by tensors raised torch's "Boolean value of Tensor with more than
+    one value is ambiguous" from a runner's miss log). It hashes by identity already."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        return repr(self.obj)
+
+
 def _context_key(context: Any) -> Hashable:
     """A hashable, comparable form of a node's context (lists become tuples; dict keys that
-    are not all strings a :class:`_Keys`)."""
+    are not all strings a :class:`_Keys`, tensor keys compared by identity)."""
     try:
         hash(context)  # attribute and field names, None: the common cases, as they are
     except TypeError:
         if isinstance(context, (list, tuple)):
-            items = tuple(_context_key(c) for c in context)
+            items = tuple(
+                _Identity(c) if isinstance(c, torch.Tensor) else _context_key(c) for c in context
+            )
             return items if all(type(c) is str for c in items) else _Keys(items)
         return repr(context)
     key: Hashable = context
@@ -333,8 +355,14 @@ _JUDGED = (
 
 def is_plain_value(x: Any) -> bool:
     """Whether a leaf is a value whose change later code would miss (see ``same_value``):
-    one of ``PLAIN_VALUES`` or of the other value types above."""
-    return type(x) in PLAIN_VALUES or isinstance(x, _JUDGED) or _host_array(x)
+    one of ``PLAIN_VALUES`` or of the other value types above, or a container the walk leaves
+    whole (a ``list``/``tuple``/``dict`` subclass pytree does not register, a ``torch.Size``)
+    holding only such values: a break's ``L([n])`` was never judged, and the code after it
+    replayed the capture's ``n`` silently."""
+    if type(x) in PLAIN_VALUES or isinstance(x, _JUDGED) or _host_array(x):
+        return True
+    held = hidden_leaves(x)
+    return held is not None and all(is_plain_value(h) for h in held)
 
 
 def _host_array(x: Any) -> bool:
@@ -430,6 +458,46 @@ def map_tensors(
 # The walks below are module functions, not closures: a recursive closure holds itself, and the
 # cycle kept what it found (a runner's call's objects and their tensors) for the garbage
 # collector after the caller let go.
+
+
+# Leaves that hold items the walk does not see: sets, and subclasses of the built-in
+# containers that pytree does not register (see _OPAQUE).
+UNWALKED_CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque)
+
+
+def hidden_leaves(leaf: Any) -> list[Any] | None:
+    """What a leaf of the walk holds when it is a container the walk leaves whole (a ``set``,
+    a ``frozenset``, an unregistered ``list``/``tuple``/``dict`` subclass): its items (a dict's
+    keys and values) in iteration order, at any depth of such containers; a ``bytearray``'s
+    bytes; None for any other leaf. A graph reads them as they were at capture."""
+    if isinstance(leaf, bytearray):
+        return [bytes(leaf)]
+    if not isinstance(leaf, UNWALKED_CONTAINERS):
+        return None
+    found: list[Any] = []
+    active: set[int] = set()
+
+    def collect(x: Any) -> None:
+        if not isinstance(x, UNWALKED_CONTAINERS) or id(x) in active:
+            found.append(x)
+            return
+        active.add(id(x))
+        for item in [*x.keys(), *x.values()] if isinstance(x, dict) else x:
+            collect(item)
+
+    collect(leaf)
+    return found
+
+
+def hidden_tensor_holder(obj: Any) -> str | None:
+    """The type name of the first leaf of ``obj`` whose :func:`hidden_leaves` hold a tensor, or
+    None. ``map_tensors`` cannot reach those tensors (a runner's clone of its output left them
+    the static output)."""
+    for leaf in flatten(obj)[0]:
+        held = hidden_leaves(leaf)
+        if held and any(isinstance(x, torch.Tensor) for x in held):
+            return type(leaf).__qualname__
+    return None
 
 
 def object_ids(obj: Any) -> set[int]:

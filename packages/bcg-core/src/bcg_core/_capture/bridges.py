@@ -171,11 +171,22 @@ class Bridge:
 
     def _refuse_unbridgeable(self, leaves: list[Any], spec: _trees.TreeSpec) -> None:
         """A sparse or nested tensor has no fixed memory that a replay could copy its new
-        values into (its number of elements, its indices, its parts may change), and a
-        quantized tensor's scale is not in its memory: refused by
+        values into (its number of elements, its indices, its parts may change), a quantized
+        tensor's scale is not in its memory, and tensors in a set or container subclass are not
+        reached by the walk: refused by
         path (reading its address raised torch's raw internal error), at capture and at
         replay (``leaves`` and ``spec`` of the output then)."""
         for path, x in zip(_trees.key_paths(spec, "output"), leaves, strict=True):
+            held = _trees.hidden_leaves(x)
+            if held and any(isinstance(h, torch.Tensor) for h in held):
+                # Tensors the walk does not reach are not bridged: the code after the break
+                # read the capture's ones at every replay (a list subclass: silently stale).
+                raise BreakOutputError(
+                    f"break {self._name!r} returned {path}, a {type(x).__qualname__} holding "
+                    "tensors; bcg does not look into it, so a replay could not copy its new "
+                    "tensors where the code after the break reads them. Return them in a "
+                    "list, tuple, dict, named tuple or dataclass."
+                )
             if isinstance(x, torch.Tensor) and x.is_quantized:
                 # Its scale and zero point are no part of the memory a replay copies into: a
                 # replay returning another scale was read with the capture's, silently wrong.

@@ -104,6 +104,7 @@ def capture_entry(
         ):
             output = module(*static_args, **static_kwargs)
         _refuse_changed_containers(containers)
+        _refuse_hidden_output_tensors(output)
         output = _without_history(output)
         backend.synchronize((lane,))
         done = time.perf_counter()
@@ -174,6 +175,24 @@ def _refuse_changed_containers(containers: _trees.Snapshot) -> None:
             "change would never reach the caller's container: such calls run eagerly. Return "
             "the value instead of storing it in an argument (or keep it on a dataclass or "
             "object argument, passed as itself) to capture the call"
+        )
+
+
+def _refuse_hidden_output_tensors(output: Any) -> None:
+    """Raise when the output holds tensors where a runner cannot clone them (a ``set`` of
+    tensors, an unregistered ``list`` subclass): each call would return the static output
+    itself, which the next replay overwrites (an earlier result changed silently).
+
+    Raises:
+        CaptureError: naming the container.
+    """
+    holder = _trees.hidden_tensor_holder(output)
+    if holder is not None:
+        raise CaptureError(
+            f"the step returns tensors inside a {holder}, which the runner cannot copy out of "
+            "the graph's static output (the next replay would overwrite them): such calls run "
+            "eagerly. Return them in a list, tuple, dict, named tuple or dataclass (or "
+            "register the type with torch.utils._pytree) to capture the call"
         )
 
 

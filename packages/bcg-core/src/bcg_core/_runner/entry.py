@@ -32,9 +32,12 @@ def _cloner(output: Any, passed: frozenset[int]) -> Callable[[], Any]:
 
 
 # A view of a static buffer: its size, strides, storage offset from the buffer's start (in its
-# own elements) and its dtype where it differs from the buffer's (`x.view(torch.int32)`,
-# `torch.view_as_real(x)`: a view all the same, whose writes eager's caller sees).
-_View = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype | None]
+# own elements), its dtype where it differs from the buffer's (`x.view(torch.int32)`,
+# `torch.view_as_real(x)`: a view all the same, whose writes eager's caller sees), and whether
+# its lazy conjugate and negative bits differ from the buffer's (`x.conj()`, `x.conj().imag`:
+# the same memory read conjugated or negated; taken without the bits, the view returned the
+# argument's values unconjugated).
+_View = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype | None, bool, bool]
 
 
 def _view_in(t: torch.Tensor, buf: torch.Tensor) -> _View | None:
@@ -48,7 +51,14 @@ def _view_in(t: torch.Tensor, buf: torch.Tensor) -> _View | None:
     span = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
     if start < 0 or start % size or start + span * size > buf.numel() * buf.element_size():
         return None
-    return tuple(t.shape), t.stride(), start // size, None if t.dtype == buf.dtype else t.dtype
+    return (
+        tuple(t.shape),
+        t.stride(),
+        start // size,
+        None if t.dtype == buf.dtype else t.dtype,
+        t.is_conj() != buf.is_conj(),
+        t.is_neg() != buf.is_neg(),
+    )
 
 
 def _none_is_its_buffer(live: list[torch.Tensor], ptrs: tuple[int, ...]) -> bool:
@@ -193,7 +203,9 @@ class Entry:
         with ``views``. A view in another dtype is taken through a ``view(dtype)`` of the
         caller's bytes. A view is cloned too where the caller's tensor is not laid out as its
         buffer (another device, a non-contiguous argument, bytes misaligned for the view's
-        dtype): no view of it holds the same elements."""
+        dtype, a conjugated or negated argument viewed in another dtype): no view of it holds
+        the same elements. A view's lazy conjugate and negative bits (``x.conj()``) are
+        applied to the caller's tensor as the step applied them to the buffer."""
         returned, statics = self.returned, self.statics
 
         def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -210,14 +222,22 @@ class Entry:
                     and src.shape == buf.shape
                     and src.is_contiguous()
                 ):
-                    size, stride, offset, dtype = view
+                    size, stride, offset, dtype, conj, neg = view
                     if dtype is not None:  # through the bytes: view(dtype) of a 1-d tensor
+                        if src.is_conj() or src.is_neg():
+                            # its bytes are not the buffer's (torch refuses such a view)
+                            return t if views else t.clone()
                         src = src.reshape(-1).view(torch.uint8)
                         n = torch.empty((), dtype=dtype).element_size()
                         if src.storage_offset() % n or src.numel() % n:
                             return t if views else t.clone()
                         src = src.view(dtype)
-                    return src.as_strided(size, stride, src.storage_offset() + offset)
+                    out = src.as_strided(size, stride, src.storage_offset() + offset)
+                    if conj:  # each toggles the caller's bit as the step toggled the buffer's
+                        out = out.conj()
+                    if neg:
+                        out = torch._neg_view(out)
+                    return out
             return t if views else t.clone()
 
         return _trees.map_tensors(self.output, leaf, keep=self.passed)
