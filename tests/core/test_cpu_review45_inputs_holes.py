@@ -4,7 +4,6 @@ compared with eager."""
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 from collections.abc import Callable
@@ -187,38 +186,6 @@ def test_a_container_argument_the_walk_leaves_whole_changed_in_place_is_not_repl
 
 class _Numbers(list[int]):
     """A list subclass pytree does not register: the tree walker leaves it whole."""
-
-
-@dataclasses.dataclass
-class _Meta:
-    t: torch.Tensor
-
-
-def _times_meta(x: torch.Tensor, meta: _Meta) -> torch.Tensor:
-    return x * meta.t
-
-
-@pytest.mark.parametrize(
-    ("base", "rebound"),
-    [
-        (torch.tensor([1 + 1j, 2 + 2j]), torch.Tensor.conj),
-        (torch.ones(2), torch._neg_view),
-    ],
-    ids=["conj", "neg"],
-)
-def test_an_object_s_tensor_rebound_to_a_lazy_view_of_its_memory_is_not_replayed_stale(
-    base: torch.Tensor, rebound: Callable[[torch.Tensor], torch.Tensor]
-) -> None:
-    # A tensor inside an object is keyed by address and strides: its conjugate (or negated)
-    # view lies at the same address, so meta.t = meta.t.conj() hit the capture's graph, which
-    # read the memory unconjugated (1+1j where eager gives 1-1j).
-    runner = BreakableGraphRunner(_times_meta, device="cpu")
-    meta = _Meta(base)
-    x = torch.ones(2, dtype=base.dtype)
-    runner.capture(x, meta)
-    meta.t = rebound(base)
-    assert torch.equal(runner(x, meta).resolve_conj().resolve_neg(), (x * meta.t).resolve_neg())
-    assert runner.stats.hits == 0
 
 
 def _mode_class() -> type[enum.IntEnum]:

@@ -12,8 +12,7 @@ container types, dict keys, field and attribute names, lengths) plus one key per
   or quantized tensor, or a tensor subclass, is an object of the signature, keyed by
   identity and passed as itself (a static buffer would be a plain dense tensor, and replaying
   a graph captured on one would not run what eager runs);
-- a tensor inside a dataclass or plain object: shape, dtype, device **and storage address**
-  (with its strides and lazy conjugate and negative bits).
+- a tensor inside a dataclass or plain object: shape, dtype, device **and storage address**.
   Objects (metadata, caches) are passed to the model as themselves, so the graph reads those
   tensors where they were at capture; a tensor rebound to another address gives another
   signature (a miss that names the attribute), never a stale replay;
@@ -336,11 +335,8 @@ def _object_kind(leaf: Any) -> str:
     return f"{name} (a tensor subclass)"
 
 
-def _addr(t: torch.Tensor) -> tuple[int, tuple[int, ...], bool, bool]:
-    """Where a tensor used in place lies, and its lazy conjugate and negative bits: a graph
-    reads that memory as the capture's tensor did (``m.t = m.t.conj()`` kept the address,
-    and a replay read the values unconjugated)."""
-    return (t.data_ptr(), t.stride(), t.is_conj(), t.is_neg())
+def _addr(t: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    return (t.data_ptr(), t.stride())
 
 
 def static_call(
