@@ -85,3 +85,24 @@ def test_a_call_after_a_processor_change_never_replays_the_old_processors() -> N
         runner.close()
     assert torch.equal(got["first"], expected)
     assert torch.equal(got["second"], expected), "the capture's processors replayed"
+
+
+def test_a_stance_set_during_a_capture_stays_after_it() -> None:
+    """The capture's force_eager stance is process-wide: a stance another thread (or the
+    captured code) set with torch.compiler.set_stance while it was open was overwritten with
+    the one before the capture when it closed (silently the user's stance gone)."""
+    import torch._dynamo
+
+    from bcg_core import BreakableCUDAGraph, BreakableCUDAGraphCapture
+
+    x = torch.randn(4)
+    graph = BreakableCUDAGraph(backend="cpu")
+    try:
+        with BreakableCUDAGraphCapture(graph):
+            y = x * 2
+            run_threads([lambda: torch.compiler.set_stance("eager_on_recompile")], timeout=30)
+        assert torch._dynamo.eval_frame._stance.stance == "eager_on_recompile"
+    finally:
+        torch.compiler.set_stance("default")
+    graph.replay()
+    assert torch.equal(y, x * 2)
