@@ -106,3 +106,61 @@ def test_a_stance_set_during_a_capture_stays_after_it() -> None:
         torch.compiler.set_stance("default")
     graph.replay()
     assert torch.equal(y, x * 2)
+
+
+def test_a_call_whose_state_read_raised_does_not_leave_the_change_marked_seen() -> None:
+    """A call that raised while reading the model's state after set_attn_processor (here an
+    interrupt-like error from a module's processor) had marked the change seen already: the
+    next call took the capture's state as current and replayed the old processors."""
+    diffusers = pytest.importorskip("diffusers")
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    from bcg_diffusion import DiTRunner, make_attention_ops_breakable
+
+    class Scaled(FluxAttnProcessor):  # type: ignore[misc]
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().__call__(*args, **kwargs)
+            return tuple(2 * o for o in out) if isinstance(out, tuple) else 2 * out
+
+    fail = [False]
+
+    class Failing(torch.nn.Module):
+        def set_processor(self, processor: Any) -> None:
+            pass
+
+        @property
+        def processor(self) -> None:
+            if fail[0]:
+                fail[0] = False
+                raise KeyboardInterrupt
+            return None
+
+    torch.manual_seed(0)
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    ).eval()  # fmt: skip
+    model.add_module("failing", Failing())
+    gen = torch.Generator().manual_seed(1)
+    inputs = {
+        "hidden_states": torch.randn(1, 16, 4, generator=gen),
+        "encoder_hidden_states": torch.randn(1, 8, 32, generator=gen),
+        "pooled_projections": torch.randn(1, 32, generator=gen),
+        "timestep": torch.rand(1, generator=gen),
+        "img_ids": torch.randn(16, 3, generator=gen),
+        "txt_ids": torch.zeros(8, 3),
+    }
+    runner = DiTRunner(model, breakable_attention=make_attention_ops_breakable(model), device="cpu")
+    try:
+        with torch.no_grad():
+            runner.capture(**inputs)
+            model.set_attn_processor(Scaled())
+            expected = model(**inputs).sample
+            fail[0] = True
+            with pytest.raises(KeyboardInterrupt):
+                runner(**inputs)
+            got = runner(**inputs).sample
+    finally:
+        runner.close()
+    assert torch.equal(got, expected), "the capture's processors replayed"
