@@ -164,3 +164,48 @@ def test_a_call_whose_state_read_raised_does_not_leave_the_change_marked_seen() 
     finally:
         runner.close()
     assert torch.equal(got, expected), "the capture's processors replayed"
+
+
+def test_a_graph_captured_after_a_reset_in_a_window_is_not_replayed_under_other_ones() -> None:
+    """reset() (here from the same thread; as well another thread's) while a warm-up window was
+    open: the window's next call captured again, but the runner kept no state for it (reset
+    forgot the capture's), so a call under another processor replayed that graph."""
+    diffusers = pytest.importorskip("diffusers")
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    from bcg_diffusion import DiTRunner, make_attention_ops_breakable
+
+    class Scaled(FluxAttnProcessor):  # type: ignore[misc]
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().__call__(*args, **kwargs)
+            return tuple(2 * o for o in out) if isinstance(out, tuple) else 2 * out
+
+    torch.manual_seed(0)
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    ).eval()  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    inputs = {
+        "hidden_states": torch.randn(1, 16, 4, generator=gen),
+        "encoder_hidden_states": torch.randn(1, 8, 32, generator=gen),
+        "pooled_projections": torch.randn(1, 32, generator=gen),
+        "timestep": torch.rand(1, generator=gen),
+        "img_ids": torch.randn(16, 3, generator=gen),
+        "txt_ids": torch.zeros(8, 3),
+    }
+    runner = DiTRunner(model, breakable_attention=make_attention_ops_breakable(model), device="cpu")
+    try:
+        with torch.no_grad():
+            with runner.warmup():
+                runner(**inputs)
+                runner.reset()
+                runner(**inputs)
+            assert len(runner.stats.entries) == 1  # captured again in the window
+            model.set_attn_processor(Scaled())
+            expected = model(**inputs).sample
+            got = runner(**inputs).sample
+    finally:
+        runner.close()
+    assert torch.equal(got, expected), "the plain processors' graph replayed"

@@ -315,9 +315,7 @@ class DiTRunner(BreakableGraphRunner):
             )
         self._patch_new_attention()
         if self._setup_captured is None or not self.stats.entries:
-            seen = _model_changes[0]
-            self._setup_captured = _model_state(self.module)
-            self._setup = (seen, self._setup_captured)
+            self._take_setup()
         with super().warmup() as runner:
             yield runner
 
@@ -325,14 +323,26 @@ class DiTRunner(BreakableGraphRunner):
         """Drop every graph, as :meth:`bcg_core.BreakableGraphRunner.reset` does.
 
         The next capture window takes the model's diffusers hooks, attention processors and
-        backends as they are then (calls under others than a window's run eagerly).
+        backends as they are then (calls under others than a window's run eagerly); a window
+        open at the reset takes them as they are at the reset.
 
         Raises:
             RuntimeError: called from a break of this runner's own replay or capture (nothing
                 is reset then).
         """
         super().reset()
-        self._setup_captured = None
+        if self._window:
+            # A window still open captures again: under the state now (None let a call under
+            # other processors replay what it captured).
+            self._take_setup()
+        else:
+            self._setup_captured = None
+
+    def _take_setup(self) -> None:
+        """Graphs captured from now on are under the model's state as it is now."""
+        seen = _model_changes[0]  # before the state: a change made while reading is seen
+        self._setup_captured = _model_state(self.module)
+        self._setup = (seen, self._setup_captured)
 
     def _other_setup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run eagerly (a miss) a call made under other diffusers hooks, attention processors
