@@ -134,11 +134,11 @@ class DiTRunner(BreakableGraphRunner):
         if counting is not None:
             patches.append(counting)
         self._patches: list[PatchHandle] = patches
-        # The model's diffusers hooks, attention processors and backends (_model_state) now
-        # (as of _model_changes[0] == _setup_seen) and when the graphs were captured (None:
-        # nothing captured since the last reset).
-        self._setup_seen = -1
-        self._setup_now: _State = ()
+        # The model's diffusers hooks, attention processors and backends (_model_state) as of
+        # a value of _model_changes (_setup: one attribute, so another thread reads a count
+        # with the state read after it, never a count with an older state), and when the
+        # graphs were captured (None: nothing captured since the last reset).
+        self._setup: tuple[int, _State] = (-1, ())
         self._setup_captured: _State | None = None
         self._breakable_attention = breakable_attention
         self._closed = False
@@ -167,13 +167,16 @@ class DiTRunner(BreakableGraphRunner):
         """
         # The usual call has no return_dict: told without a frame before the replay's launch.
         as_tuple = "return_dict" in kwargs and self._pop_format(kwargs, args)
-        if _model_changes[0] != self._setup_seen:  # one int read when nothing was set
-            self._setup_seen = _model_changes[0]
+        seen, now = self._setup
+        if _model_changes[0] != seen:  # one int read when nothing was set
+            # The count before the state: a change made while reading is the next call's.
+            seen = _model_changes[0]
             now = _model_state(self.module)
             # The capture's own tuple when equal: a call then compares identities, not every
             # attention module's entry.
-            self._setup_now = self._setup_captured if now == self._setup_captured else now
-        if self._setup_captured is not None and self._setup_now is not self._setup_captured:
+            now = self._setup_captured if now == self._setup_captured else now
+            self._setup = (seen, now)
+        if self._setup_captured is not None and now is not self._setup_captured:
             out = self._other_setup(args, kwargs)
         else:
             out = super().__call__(*args, **kwargs)
@@ -312,8 +315,7 @@ class DiTRunner(BreakableGraphRunner):
             )
         self._patch_new_attention()
         if self._setup_captured is None or not self.stats.entries:
-            self._setup_seen = _model_changes[0]
-            self._setup_now = self._setup_captured = _model_state(self.module)
+            self._take_setup()
         with super().warmup() as runner:
             yield runner
 
@@ -321,14 +323,26 @@ class DiTRunner(BreakableGraphRunner):
         """Drop every graph, as :meth:`bcg_core.BreakableGraphRunner.reset` does.
 
         The next capture window takes the model's diffusers hooks, attention processors and
-        backends as they are then (calls under others than a window's run eagerly).
+        backends as they are then (calls under others than a window's run eagerly); a window
+        open at the reset takes them as they are at the reset.
 
         Raises:
             RuntimeError: called from a break of this runner's own replay or capture (nothing
                 is reset then).
         """
         super().reset()
-        self._setup_captured = None
+        if self._window:
+            # A window still open captures again: under the state now (None let a call under
+            # other processors replay what it captured).
+            self._take_setup()
+        else:
+            self._setup_captured = None
+
+    def _take_setup(self) -> None:
+        """Graphs captured from now on are under the model's state as it is now."""
+        seen = _model_changes[0]  # before the state: a change made while reading is seen
+        self._setup_captured = _model_state(self.module)
+        self._setup = (seen, self._setup_captured)
 
     def _other_setup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run eagerly (a miss) a call made under other diffusers hooks, attention processors

@@ -1,7 +1,7 @@
 """No torch.compile compiling inside a capture: dynamo's ``fail_on_recompile`` stance while any
 capture on a backend that refuses compiles is open, ``force_eager`` while a capture on one that
 does not (the CPU backend) is (refcounted; the stance is process-wide, so while captures of both
-kinds are open the first one's holds)."""
+kinds are open the first one's holds; a stance set while one is open is left as set)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,10 @@ def compiles_refused(refuse: bool) -> Iterator[None]:
             _open -= 1
             if _open == 0:
                 stance, _stance = _stance, None
-                stance.__exit__(None, None, None)
+                # Only while the stance is still ours: one set meanwhile (another thread's
+                # torch.compiler.set_stance, the captured code's) is the user's, and stays.
+                if torch._dynamo.eval_frame._stance is stance.stance:
+                    stance.__exit__(None, None, None)
 
 
 def as_capture_error(exc: BaseException) -> CaptureError | None:
