@@ -48,7 +48,9 @@ def compiles_refused(refuse: bool) -> Iterator[None]:
                 stance, _stance = _stance, None
                 # Only while the stance is still ours: one set meanwhile (another thread's
                 # torch.compiler.set_stance, the captured code's) is the user's, and stays.
-                if torch._dynamo.eval_frame._stance is stance.stance:
+                # (torch's private current stance; where a version lacks it, restore as before.)
+                current = getattr(torch._dynamo.eval_frame, "_stance", stance.stance)
+                if current is stance.stance:
                     stance.__exit__(None, None, None)
 
 
