@@ -15,7 +15,7 @@ def test_a_call_after_a_processor_change_never_replays_the_old_processors() -> N
     """Two threads call one DiTRunner after set_attn_processor: the first marked the change
     seen before reading the model's new state, so the second, arriving while it read, took the
     capture's state as current and replayed the old processors (silently the old output)."""
-    diffusers = pytest.importorskip("diffusers")
+    pytest.importorskip("diffusers")
     from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
     from bcg_diffusion import DiTRunner, make_attention_ops_breakable
@@ -43,22 +43,8 @@ def test_a_call_after_a_processor_change_never_replays_the_old_processors() -> N
                 answered.wait(10)
             return None
 
-    torch.manual_seed(0)
-    model = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-        axes_dims_rope=(4, 6, 6),
-    ).eval()  # fmt: skip
+    model, inputs = _tiny_flux()
     model.add_module("slow", SlowToRead())
-    gen = torch.Generator().manual_seed(1)
-    inputs = {
-        "hidden_states": torch.randn(1, 16, 4, generator=gen),
-        "encoder_hidden_states": torch.randn(1, 8, 32, generator=gen),
-        "pooled_projections": torch.randn(1, 32, generator=gen),
-        "timestep": torch.rand(1, generator=gen),
-        "img_ids": torch.randn(16, 3, generator=gen),
-        "txt_ids": torch.zeros(8, 3),
-    }
     runner = DiTRunner(model, breakable_attention=make_attention_ops_breakable(model), device="cpu")
     got: dict[str, torch.Tensor] = {}
     try:
@@ -112,7 +98,7 @@ def test_a_call_whose_state_read_raised_does_not_leave_the_change_marked_seen() 
     """A call that raised while reading the model's state after set_attn_processor (here an
     interrupt-like error from a module's processor) had marked the change seen already: the
     next call took the capture's state as current and replayed the old processors."""
-    diffusers = pytest.importorskip("diffusers")
+    pytest.importorskip("diffusers")
     from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
     from bcg_diffusion import DiTRunner, make_attention_ops_breakable
@@ -135,22 +121,8 @@ def test_a_call_whose_state_read_raised_does_not_leave_the_change_marked_seen() 
                 raise KeyboardInterrupt
             return None
 
-    torch.manual_seed(0)
-    model = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-        axes_dims_rope=(4, 6, 6),
-    ).eval()  # fmt: skip
+    model, inputs = _tiny_flux()
     model.add_module("failing", Failing())
-    gen = torch.Generator().manual_seed(1)
-    inputs = {
-        "hidden_states": torch.randn(1, 16, 4, generator=gen),
-        "encoder_hidden_states": torch.randn(1, 8, 32, generator=gen),
-        "pooled_projections": torch.randn(1, 32, generator=gen),
-        "timestep": torch.rand(1, generator=gen),
-        "img_ids": torch.randn(16, 3, generator=gen),
-        "txt_ids": torch.zeros(8, 3),
-    }
     runner = DiTRunner(model, breakable_attention=make_attention_ops_breakable(model), device="cpu")
     try:
         with torch.no_grad():
@@ -170,7 +142,7 @@ def test_a_graph_captured_after_a_reset_in_a_window_is_not_replayed_under_other_
     """reset() (here from the same thread; as well another thread's) while a warm-up window was
     open: the window's next call captured again, but the runner kept no state for it (reset
     forgot the capture's), so a call under another processor replayed that graph."""
-    diffusers = pytest.importorskip("diffusers")
+    pytest.importorskip("diffusers")
     from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
     from bcg_diffusion import DiTRunner, make_attention_ops_breakable
@@ -180,6 +152,26 @@ def test_a_graph_captured_after_a_reset_in_a_window_is_not_replayed_under_other_
             out = super().__call__(*args, **kwargs)
             return tuple(2 * o for o in out) if isinstance(out, tuple) else 2 * out
 
+    model, inputs = _tiny_flux()
+    runner = DiTRunner(model, breakable_attention=make_attention_ops_breakable(model), device="cpu")
+    try:
+        with torch.no_grad():
+            with runner.warmup():
+                runner(**inputs)
+                runner.reset()
+                runner(**inputs)
+            assert len(runner.stats.entries) == 1  # captured again in the window
+            model.set_attn_processor(Scaled())
+            expected = model(**inputs).sample
+            got = runner(**inputs).sample
+    finally:
+        runner.close()
+    assert torch.equal(got, expected), "the plain processors' graph replayed"
+
+
+def _tiny_flux() -> tuple[Any, dict[str, torch.Tensor]]:
+    """A one-block Flux (random weights, eval) and its inputs."""
+    diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
     model = diffusers.FluxTransformer2DModel(
         patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
@@ -195,17 +187,4 @@ def test_a_graph_captured_after_a_reset_in_a_window_is_not_replayed_under_other_
         "img_ids": torch.randn(16, 3, generator=gen),
         "txt_ids": torch.zeros(8, 3),
     }
-    runner = DiTRunner(model, breakable_attention=make_attention_ops_breakable(model), device="cpu")
-    try:
-        with torch.no_grad():
-            with runner.warmup():
-                runner(**inputs)
-                runner.reset()
-                runner(**inputs)
-            assert len(runner.stats.entries) == 1  # captured again in the window
-            model.set_attn_processor(Scaled())
-            expected = model(**inputs).sample
-            got = runner(**inputs).sample
-    finally:
-        runner.close()
-    assert torch.equal(got, expected), "the plain processors' graph replayed"
+    return model, inputs

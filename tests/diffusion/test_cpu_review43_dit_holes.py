@@ -15,17 +15,19 @@ diffusers = pytest.importorskip(
 )
 
 
-def _flux() -> torch.nn.Module:
+def tiny_flux(num_layers: int = 2) -> torch.nn.Module:
+    """A tiny Flux (random weights) in eval mode; shared by this session's DiT hole tests."""
     torch.manual_seed(0)
     model: torch.nn.Module = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=2, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        patch_size=1, in_channels=4, num_layers=num_layers, num_single_layers=1,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+        pooled_projection_dim=32,
         axes_dims_rope=(4, 6, 6),
     ).eval()  # fmt: skip
     return model
 
 
-def _flux_inputs(seed: int) -> dict[str, Any]:
+def flux_in(seed: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
     return {
         "hidden_states": torch.randn(1, 16, 4, generator=gen),
@@ -57,18 +59,18 @@ def test_layer_skip_hooks_of_a_guider_are_not_replayed_as_the_plain_graph() -> N
     replayed the plain call's graph for it (silently not eager's skip output), and a graph
     captured while the hooks were on was replayed for the plain calls. Calls made under other
     diffusers hooks than the graphs' capture now run eagerly."""
-    model = _flux()
+    model = tiny_flux()
     runner = DiTRunner(model, breakable_attention=make_attention_ops_breakable(model), device="cpu")
     try:
         with torch.no_grad():
-            runner.capture(**_flux_inputs(0))
+            runner.capture(**flux_in(0))
             for step in range(1, 4):  # one guided step: plain call, skip call, plain call
-                plain = runner(**_flux_inputs(step)).sample
-                assert torch.equal(plain, model(**_flux_inputs(step)).sample)
+                plain = runner(**flux_in(step)).sample
+                assert torch.equal(plain, model(**flux_in(step)).sample)
                 _skip_on(model)
                 try:
-                    skipped = runner(**_flux_inputs(step)).sample
-                    expected = model(**_flux_inputs(step)).sample
+                    skipped = runner(**flux_in(step)).sample
+                    expected = model(**flux_in(step)).sample
                 finally:
                     _skip_off(model)
                 assert not torch.equal(expected, plain)  # the hook changes the output
@@ -83,24 +85,24 @@ def test_a_graph_captured_under_layer_skip_hooks_is_not_replayed_without_them() 
     """The other way round: captured during a guider's perturbed call, the skip graph was
     replayed for every plain call after the hooks were removed. After reset() the next capture
     takes the hooks as they are then."""
-    model = _flux()
+    model = tiny_flux()
     runner = DiTRunner(model, breakable_attention=make_attention_ops_breakable(model), device="cpu")
     try:
         with torch.no_grad():
             _skip_on(model)
             try:
-                runner.capture(**_flux_inputs(0))
-                skipped = runner(**_flux_inputs(1)).sample
-                assert torch.equal(skipped, model(**_flux_inputs(1)).sample)
+                runner.capture(**flux_in(0))
+                skipped = runner(**flux_in(1)).sample
+                assert torch.equal(skipped, model(**flux_in(1)).sample)
             finally:
                 _skip_off(model)
-            plain = runner(**_flux_inputs(2)).sample
-            assert torch.equal(plain, model(**_flux_inputs(2)).sample), "the skip graph replayed"
+            plain = runner(**flux_in(2)).sample
+            assert torch.equal(plain, model(**flux_in(2)).sample), "the skip graph replayed"
             assert (runner.stats.hits, runner.stats.misses) == (1, 1)
             runner.reset()
-            runner.capture(**_flux_inputs(0))
-            plain = runner(**_flux_inputs(3)).sample
-            assert torch.equal(plain, model(**_flux_inputs(3)).sample)
+            runner.capture(**flux_in(0))
+            plain = runner(**flux_in(3)).sample
+            assert torch.equal(plain, model(**flux_in(3)).sample)
             assert runner.stats.hits == 1
     finally:
         runner.close()
@@ -112,18 +114,18 @@ def test_a_graph_captured_under_layer_skip_hooks_is_not_replayed_without_them() 
 def test_layer_skip_hooks_are_seen_through_torch_compile() -> None:
     """DiTRunner(torch.compile(model)): the compiled wrapper is torch's module, so the hook
     counter must be set up from the diffusers modules inside it, not the wrapper's class."""
-    model = _flux()
+    model = tiny_flux()
     compiled = torch.compile(model, backend="eager")
     runner = DiTRunner(
         compiled, breakable_attention=make_attention_ops_breakable(model), device="cpu"
     )
     try:
         with torch.no_grad():
-            runner.capture(**_flux_inputs(0))
+            runner.capture(**flux_in(0))
             _skip_on(model)
             try:
-                skipped = runner(**_flux_inputs(1)).sample
-                expected = model(**_flux_inputs(1)).sample
+                skipped = runner(**flux_in(1)).sample
+                expected = model(**flux_in(1)).sample
             finally:
                 _skip_off(model)
             assert torch.equal(skipped, expected), "the plain graph replayed"

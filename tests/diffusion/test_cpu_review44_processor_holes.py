@@ -14,6 +14,7 @@ diffusers = pytest.importorskip(
     "diffusers", reason='diffusers is not installed (pip install "bcg-diffusion[diffusers]")'
 )
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor  # noqa: E402
+from test_cpu_review43_dit_holes import flux_in, tiny_flux  # noqa: E402
 
 
 class _Scaled(FluxAttnProcessor):
@@ -26,28 +27,6 @@ class _Scaled(FluxAttnProcessor):
         return 2 * out
 
 
-def _flux() -> torch.nn.Module:
-    torch.manual_seed(0)
-    model: torch.nn.Module = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=2, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-        axes_dims_rope=(4, 6, 6),
-    ).eval()  # fmt: skip
-    return model
-
-
-def _inputs(seed: int) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "hidden_states": torch.randn(1, 16, 4, generator=gen),
-        "encoder_hidden_states": torch.randn(1, 8, 32, generator=gen),
-        "pooled_projections": torch.randn(1, 32, generator=gen),
-        "timestep": torch.rand(1, generator=gen),
-        "img_ids": torch.randn(16, 3, generator=gen),
-        "txt_ids": torch.zeros(8, 3),
-    }
-
-
 def _runner(model: torch.nn.Module) -> DiTRunner:
     return DiTRunner(model, breakable_attention=make_attention_ops_breakable(model), device="cpu")
 
@@ -55,15 +34,15 @@ def _runner(model: torch.nn.Module) -> DiTRunner:
 def test_a_processor_set_after_capture_is_not_replayed_as_the_old_one() -> None:
     """set_attn_processor after capture: the graph replayed the capture's processors (the new
     processor's output was silently the old one's). The call now runs eagerly, a miss."""
-    model = _flux()
+    model = tiny_flux()
     runner = _runner(model)
     try:
         with torch.no_grad():
-            runner.capture(**_inputs(0))
-            plain = runner(**_inputs(1)).sample
+            runner.capture(**flux_in(0))
+            plain = runner(**flux_in(1)).sample
             model.set_attn_processor(_Scaled())
-            got = runner(**_inputs(1)).sample
-            expected = model(**_inputs(1)).sample
+            got = runner(**flux_in(1)).sample
+            expected = model(**flux_in(1)).sample
             assert not torch.equal(expected, plain)  # the processor changes the output
             assert torch.equal(got, expected), "the capture's processors replayed"
             assert (runner.stats.hits, runner.stats.misses) == (1, 1)
@@ -74,22 +53,22 @@ def test_a_processor_set_after_capture_is_not_replayed_as_the_old_one() -> None:
 def test_a_pag_style_swap_and_restore_around_one_call() -> None:
     """A PAG pipeline sets its processors at the start of a call and restores the originals at
     its end: the swapped call runs eagerly, the calls after the restore replay again."""
-    model = _flux()
+    model = tiny_flux()
     runner = _runner(model)
     try:
         with torch.no_grad():
-            runner.capture(**_inputs(0))
+            runner.capture(**flux_in(0))
             for step in range(1, 3):
                 original = model.attn_processors
                 model.set_attn_processor(_Scaled())
                 try:
-                    swapped = runner(**_inputs(step)).sample
-                    expected = model(**_inputs(step)).sample
+                    swapped = runner(**flux_in(step)).sample
+                    expected = model(**flux_in(step)).sample
                 finally:
                     model.set_attn_processor(original)
                 assert torch.equal(swapped, expected), f"step {step}: the plain graph replayed"
-                plain = runner(**_inputs(step)).sample
-                assert torch.equal(plain, model(**_inputs(step)).sample)
+                plain = runner(**flux_in(step)).sample
+                assert torch.equal(plain, model(**flux_in(step)).sample)
                 assert not torch.equal(plain, swapped)
             assert (runner.stats.hits, runner.stats.misses) == (2, 2)
     finally:
@@ -99,24 +78,24 @@ def test_a_pag_style_swap_and_restore_around_one_call() -> None:
 def test_a_graph_captured_under_a_swapped_processor_is_not_replayed_after_the_restore() -> None:
     """Captured during the swapped call, the swapped graph was replayed for the plain calls
     after the restore. After reset() the next capture takes the processors as they are."""
-    model = _flux()
+    model = tiny_flux()
     runner = _runner(model)
     try:
         with torch.no_grad():
             original = model.attn_processors
             model.set_attn_processor(_Scaled())
             try:
-                runner.capture(**_inputs(0))
-                swapped = runner(**_inputs(1)).sample
-                assert torch.equal(swapped, model(**_inputs(1)).sample)
+                runner.capture(**flux_in(0))
+                swapped = runner(**flux_in(1)).sample
+                assert torch.equal(swapped, model(**flux_in(1)).sample)
             finally:
                 model.set_attn_processor(original)
-            plain = runner(**_inputs(1)).sample
-            assert torch.equal(plain, model(**_inputs(1)).sample), "the swapped graph replayed"
+            plain = runner(**flux_in(1)).sample
+            assert torch.equal(plain, model(**flux_in(1)).sample), "the swapped graph replayed"
             assert (runner.stats.hits, runner.stats.misses) == (1, 1)
             runner.reset()
-            runner.capture(**_inputs(0))
-            assert torch.equal(runner(**_inputs(2)).sample, model(**_inputs(2)).sample)
+            runner.capture(**flux_in(0))
+            assert torch.equal(runner(**flux_in(2)).sample, model(**flux_in(2)).sample)
             assert runner.stats.hits == 1
     finally:
         runner.close()
@@ -125,17 +104,17 @@ def test_a_graph_captured_under_a_swapped_processor_is_not_replayed_after_the_re
 def test_fuse_qkv_projections_after_capture_runs_eagerly() -> None:
     """fuse_qkv_projections() after capture: the graph replayed the unfused projections (whose
     weights a caller may then drop or change). The call now runs eagerly, as eager does."""
-    model = _flux()
+    model = tiny_flux()
     runner = _runner(model)
     try:
         with torch.no_grad():
-            runner.capture(**_inputs(0))
+            runner.capture(**flux_in(0))
             model.fuse_qkv_projections()
             for attn in model.modules():
                 if getattr(attn, "fused_projections", False):
                     attn.to_qkv.weight.mul_(2)  # the fused weights are now the ones used
-            got = runner(**_inputs(1)).sample
-            assert torch.equal(got, model(**_inputs(1)).sample), "the unfused graph replayed"
+            got = runner(**flux_in(1)).sample
+            assert torch.equal(got, model(**flux_in(1)).sample), "the unfused graph replayed"
             assert runner.stats.misses == 1
     finally:
         runner.close()
@@ -151,20 +130,20 @@ def test_set_attention_backend_after_capture_runs_eagerly() -> None:
     )
 
     active = _AttentionBackendRegistry._active_backend
-    model = _flux()
+    model = tiny_flux()
     runner = _runner(model)
     try:
         with torch.no_grad():
-            runner.capture(**_inputs(0))
+            runner.capture(**flux_in(0))
             with attention_backend("_native_math"):
-                got = runner(**_inputs(1)).sample
-                assert torch.equal(got, model(**_inputs(1)).sample)
+                got = runner(**flux_in(1)).sample
+                assert torch.equal(got, model(**flux_in(1)).sample)
             assert (runner.stats.hits, runner.stats.misses) == (0, 1)
-            assert torch.equal(runner(**_inputs(2)).sample, model(**_inputs(2)).sample)
+            assert torch.equal(runner(**flux_in(2)).sample, model(**flux_in(2)).sample)
             assert (runner.stats.hits, runner.stats.misses) == (1, 1)
             model.set_attention_backend("_native_math")
-            got = runner(**_inputs(3)).sample
-            assert torch.equal(got, model(**_inputs(3)).sample)
+            got = runner(**flux_in(3)).sample
+            assert torch.equal(got, model(**flux_in(3)).sample)
             assert (runner.stats.hits, runner.stats.misses) == (1, 2)
     finally:
         runner.close()
@@ -174,15 +153,15 @@ def test_set_attention_backend_after_capture_runs_eagerly() -> None:
 def test_plain_calls_still_replay_and_close_releases_the_counting_patches() -> None:
     """Nothing changed: every call replays (and re-setting the same processor classes does not
     make a miss); close() releases the setters' patches."""
-    model = _flux()
+    model = tiny_flux()
     runner = _runner(model)
     try:
         with torch.no_grad():
-            runner.capture(**_inputs(0))
+            runner.capture(**flux_in(0))
             for step in range(1, 4):
-                assert torch.equal(runner(**_inputs(step)).sample, model(**_inputs(step)).sample)
+                assert torch.equal(runner(**flux_in(step)).sample, model(**flux_in(step)).sample)
             model.set_attn_processor(model.attn_processors)
-            assert torch.equal(runner(**_inputs(4)).sample, model(**_inputs(4)).sample)
+            assert torch.equal(runner(**flux_in(4)).sample, model(**flux_in(4)).sample)
             assert (runner.stats.hits, runner.stats.misses) == (4, 0)
     finally:
         runner.close()

@@ -11,40 +11,15 @@ import torch
 accelerate = pytest.importorskip("accelerate")
 diffusers = pytest.importorskip("diffusers")
 
+from test_cpu_review43_dit_holes import flux_in, tiny_flux  # noqa: E402
+
 from bcg_core import is_breakable_capture_active  # noqa: E402
 from bcg_diffusion import DiTRunner, make_attention_ops_breakable  # noqa: E402
 
 
-def _flux() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return diffusers.FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=8,
-        pooled_projection_dim=8,
-        axes_dims_rope=(2, 2, 4),
-    ).eval()
-
-
-def _inputs() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return {
-        "hidden_states": torch.randn(1, 4, 4, generator=g),
-        "encoder_hidden_states": torch.randn(1, 3, 8, generator=g),
-        "pooled_projections": torch.randn(1, 8, generator=g),
-        "timestep": torch.tensor([0.5]),
-        "img_ids": torch.zeros(4, 3),
-        "txt_ids": torch.zeros(3, 3),
-    }
-
-
 @pytest.mark.parametrize("how", ["model", "sequential"])
 def test_a_model_under_accelerate_cpu_offload_is_refused_with_what_to_do(how: str) -> None:
-    model = _flux()
+    model = tiny_flux(1)
     if how == "model":  # what enable_model_cpu_offload() installs
         accelerate.cpu_offload_with_hook(model, execution_device=torch.device("cpu"))
         hook = "CpuOffload"
@@ -54,26 +29,26 @@ def test_a_model_under_accelerate_cpu_offload_is_refused_with_what_to_do(how: st
     runner = DiTRunner(model, breakable_attention=make_attention_ops_breakable(model), device="cpu")
     try:
         with pytest.raises(ValueError, match=f"accelerate {hook}.*enable_model_cpu_offload"):
-            runner.capture(**_inputs())
+            runner.capture(**flux_in(1))
         assert not is_breakable_capture_active()
         assert runner.stats.captures == 0
-        out = runner(**_inputs()).sample  # an eager call still serves
-        assert torch.equal(out, model(**_inputs()).sample)
+        out = runner(**flux_in(1)).sample  # an eager call still serves
+        assert torch.equal(out, model(**flux_in(1)).sample)
     finally:
         runner.close()
 
 
 def test_accelerate_hooks_that_only_move_inputs_still_capture() -> None:
-    model = _flux()
+    model = tiny_flux(1)
     accelerate.hooks.add_hook_to_module(
         model, accelerate.hooks.AlignDevicesHook(execution_device=torch.device("cpu"))
     )
     runner = DiTRunner(model, breakable_attention=make_attention_ops_breakable(model), device="cpu")
     try:
-        expected = model(**_inputs()).sample
-        runner.capture(**_inputs())
+        expected = model(**flux_in(1)).sample
+        runner.capture(**flux_in(1))
         assert runner.stats.captures == 1
-        assert torch.equal(runner(**_inputs()).sample, expected)
+        assert torch.equal(runner(**flux_in(1)).sample, expected)
         assert runner.stats.hits == 1
     finally:
         runner.close()
