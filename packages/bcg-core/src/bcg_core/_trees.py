@@ -133,7 +133,9 @@ def _kind(obj: Any) -> str | None:
     return None
 
 
-_SLOT_NAMES: dict[type, tuple[str, ...]] = {}  # a cache; a racing duplicate entry is harmless
+# A cache; a racing duplicate entry is harmless. Bounded as _unwalked_by_type is: classes made
+# in a loop (one per request) are not kept alive.
+_SLOT_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def _slot_names(cls: type) -> tuple[str, ...]:
@@ -151,6 +153,8 @@ def _slot_names(cls: type) -> tuple[str, ...]:
                 name = f"_{klass.__name__.lstrip('_')}{name}"
             if name not in names:
                 names.append(name)
+    if len(_SLOT_NAMES) >= 256:
+        _SLOT_NAMES.clear()
     return _SLOT_NAMES.setdefault(cls, tuple(names))
 
 
