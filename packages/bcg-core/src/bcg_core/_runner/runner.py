@@ -51,6 +51,9 @@ from bcg_core._trees import one_shot_iterator
 
 logger = logging.getLogger("bcg_core")
 
+BLOCKED_LIMIT = 256
+"""Failed signatures a runner keeps blocked (the latest ones); see ``blocked_signatures``."""
+
 
 # warmup() yields the runner itself: typed as the caller's own class, so a subclass's window
 # (DiTRunner's, a user's) gives that subclass with no cast.
@@ -687,7 +690,9 @@ class BreakableGraphRunner:
 
     @property
     def blocked_signatures(self) -> dict[Signature, str]:
-        """Signatures whose capture failed, with the reason; they run eagerly."""
+        """Signatures whose capture failed, with the reason; they run eagerly. The latest
+        256 are kept: an older one is captured again at its next call
+        in a capture window, and blocked again if that capture fails too."""
         with self._lock:
             return dict(self._blocked)
 
@@ -897,6 +902,10 @@ class BreakableGraphRunner:
                 exc,
             )
             return
+        # Bounded: a serving loop failing at every new shape kept each signature (and the classes
+        # in it) until reset(). The oldest is forgotten; its next capture call tries it again.
+        if len(self._blocked) >= BLOCKED_LIMIT:
+            del self._blocked[next(iter(self._blocked))]
         self._blocked[sig] = why
         logger.warning(
             "bcg: capture failed for the call with %s (%s); this signature runs eagerly "
