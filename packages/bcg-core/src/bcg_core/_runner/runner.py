@@ -690,9 +690,10 @@ class BreakableGraphRunner:
 
     @property
     def blocked_signatures(self) -> dict[Signature, str]:
-        """Signatures whose capture failed, with the reason; they run eagerly. The latest
-        256 are kept: an older one is captured again at its next call
-        in a capture window, and blocked again if that capture fails too."""
+        """Signatures whose capture failed, with the reason; they run eagerly.
+
+        The latest 256 are kept: an older one is captured again at its next call in a capture
+        window, and blocked again if that capture fails too."""
         with self._lock:
             return dict(self._blocked)
 
