@@ -121,6 +121,11 @@ def _evaluate(expr: Any, layout: _Layout, flat: list[Any]) -> int | None:
     """A traced symbolic value (``expr``) for a run-time call's leaves ``flat``; None where
     it names a symbol the call's inputs do not give."""
     where = layout.symbols
+    if expr.is_Symbol:  # the common case (a dynamic size itself): no sympy substitution
+        if expr not in where:
+            return None
+        k, d = where[expr]
+        return int(flat[k] if d is None else flat[k].shape[d])
     if not expr.free_symbols <= where.keys():
         return None
     import sympy  # type: ignore[import-untyped]
