@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -35,7 +35,8 @@ def make_breakable_attention_forward(forward: _F) -> _F:
 
     The break is named after the forward's ``__qualname__``; the wrapper keeps its name and
     docstring, and for type checkers its signature. Wrapping an already wrapped forward returns it
-    unchanged.
+    unchanged, and wrapping the same forward again returns the same wrapper (a compiled step
+    keeps its compiled code across handles).
 
     Args:
         forward: the attention method (an unbound function taking the module first).
@@ -45,13 +46,23 @@ def make_breakable_attention_forward(forward: _F) -> _F:
     """
     if getattr(forward, _ORIGINAL, None) is not None:
         return forward  # already adapted
+    with _wrappers_lock:
+        adapted = _wrappers.get(forward)
+        if adapted is None:
+            name = f"{getattr(forward, '__qualname__', 'attention')}"
+            # gated: the flag is read when the call runs, so under torch.compile the call is one
+            # opaque op (nothing dynamo traces reads the flag) that decides at run time.
+            adapted = eager_on_graph(name=name, gated=True)(forward)
+            setattr(adapted, _ORIGINAL, forward)
+            _wrappers[forward] = adapted
+    return cast(_F, adapted)
 
-    name = f"{getattr(forward, '__qualname__', 'attention')}"
-    # gated: the flag is read when the call runs, so under torch.compile the call is one opaque
-    # op (nothing dynamo traces reads the flag) that decides at run time.
-    adapted = eager_on_graph(name=name, gated=True)(forward)
-    setattr(adapted, _ORIGINAL, forward)
-    return adapted
+
+# One wrapper per forward for the process: dynamo guards a compiled step on the wrapper (its
+# break's id), so a new wrapper per patch recompiled the step at every new handle, and the 9th
+# runner's handle hit torch's recompile_limit (fullgraph=True failed, else eager kernels).
+_wrappers_lock = threading.Lock()
+_wrappers: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
 class AttentionPatch(PatchHandle):

@@ -50,7 +50,20 @@ def breakable_functional(functional: types.ModuleType) -> types.ModuleType:
 
     The break calls ``functional.scaled_dot_product_attention`` as it is when the call runs (one
     attribute lookup), so a kernel a user installs there later (``F.scaled_dot_product_attention
-    = sageattn``) runs in plain calls and in every break."""
+    = sageattn``) runs in plain calls and in every break. One stand-in per ``functional`` for
+    the process: a compiled step guards on it, so a new one per handle recompiled the step."""
+    with _stand_ins_lock:
+        proxy = _stand_ins.get(functional)
+        if proxy is None:
+            proxy = _stand_ins[functional] = _new_breakable_functional(functional)
+    return proxy
+
+
+_stand_ins_lock = threading.Lock()
+_stand_ins: dict[types.ModuleType, types.ModuleType] = {}
+
+
+def _new_breakable_functional(functional: types.ModuleType) -> types.ModuleType:
     proxy = types.ModuleType(functional.__name__, functional.__doc__)
 
     def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
