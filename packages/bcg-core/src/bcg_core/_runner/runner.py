@@ -26,6 +26,7 @@ from bcg_core._capture.flag import (
 )
 from bcg_core._capture.graph import BreakableCUDAGraph
 from bcg_core._capture.modes import autocast_state
+from bcg_core._capture.opaque import _eager as _uncompiled
 from bcg_core._diagnostics.divergence import runner_divergence
 from bcg_core._diagnostics.divergence_report import DivergenceReport
 from bcg_core._errors import ConcurrentCaptureError, capture_refusal_hint
@@ -58,6 +59,7 @@ BLOCKED_LIMIT = 256
 # warmup() yields the runner itself: typed as the caller's own class, so a subclass's window
 # (DiTRunner's, a user's) gives that subclass with no cast.
 _Runner = TypeVar("_Runner", bound="BreakableGraphRunner")
+_is_compiling = torch.compiler.is_compiling
 
 
 class BreakableGraphRunner:
@@ -318,6 +320,12 @@ class BreakableGraphRunner:
             Exception: whatever the module raises on an eager run (a failed capture does not
                 raise: its signature is blocked and the call runs eagerly).
         """
+        if _is_compiling():  # dynamo folds this to True while tracing; False at run time
+            # Called from code torch.compile traces (generate()'s auto-compile of a model whose
+            # forward calls the runner): a graph break, and the runner runs uncompiled. Traced,
+            # its lock broke the frame and dynamo compiled the step's frames under it, so every
+            # capture failed ("attempted to set_stance in a torch.compile region").
+            return _uncompiled(self.__call__, args, kwargs)
         with self._lock:
             # serves_eagerly, tested here, not through the property: each frame before the
             # launch delays the replay.
@@ -414,6 +422,8 @@ class BreakableGraphRunner:
             The call's output (a clone of the static output unless ``return_views=True``; an
             argument the step returns is the caller's tensor).
         """
+        if _is_compiling():  # as in __call__: a graph break where torch.compile traces it
+            return _uncompiled(self.capture, args, kwargs)
         with self.warmup():
             return self(*args, **kwargs)
 
