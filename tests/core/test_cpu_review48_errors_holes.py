@@ -8,7 +8,17 @@ from typing import Any
 import pytest
 import torch
 
-from bcg_core import BreakableGraphRunner, describe_difference, enable_continuous_batching
+from bcg_core import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    BreakableGraphRunner,
+    ReplayError,
+    describe_difference,
+    enable_breakable_cuda_graph,
+    enable_continuous_batching,
+    is_breakable_capture_active,
+    is_in_breakable_cuda_graph,
+)
 from bcg_diffusion import (
     DiTRunner,
     bucket_for,
@@ -98,3 +108,25 @@ def test_bucket_for_and_pad_prompt_name_their_bad_arguments() -> None:
 def test_describe_difference_over_a_non_list_names_others() -> None:
     with pytest.raises(TypeError, match=r"describe_difference takes a list of signatures.*int"):
         describe_difference(3, 4)  # type: ignore[arg-type]
+
+
+def test_reset_inside_a_capture_says_when_to_call_it_and_leaves_no_capture_behind() -> None:
+    # The message said only what happened ("reset() was called while this graph is being
+    # captured"), not what to do.
+    graph = BreakableCUDAGraph(backend="cpu")
+    x = torch.ones(4)
+    after = r"call it after the capture's with block has exited"
+    with (
+        pytest.raises(ReplayError, match=after),
+        enable_breakable_cuda_graph(),
+        BreakableCUDAGraphCapture(graph),
+    ):
+        _ = x * 2
+        graph.reset()
+    assert not is_breakable_capture_active() and not is_in_breakable_cuda_graph()
+    graph.reset()  # as the message says: the graph can be captured again
+    with enable_breakable_cuda_graph(), BreakableCUDAGraphCapture(graph):
+        y = x * 2
+    x.fill_(3.0)
+    graph.replay()
+    assert y.tolist() == [6.0] * 4
