@@ -35,6 +35,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -507,6 +508,11 @@ def describe_difference(sig: Signature, others: list[Signature]) -> str:
     # One signature passed for the list (its tree spec taken for a signature) failed with a raw
     # "too many values to unpack" deep in the tree code.
     hint = " (pass [other], a list, to compare with one)" if _is_signature(others) else ""
+    if not isinstance(others, Iterable):  # list() raised "'int' object is not iterable"
+        raise TypeError(
+            "describe_difference takes a list of signatures for others, got "
+            f"{type(others).__name__}"
+        )
     others = list(others)
     for what, value in (("sig", sig), *(("an item of others", o) for o in others)):
         if not _is_signature(value):

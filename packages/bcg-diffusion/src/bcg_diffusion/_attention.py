@@ -12,6 +12,7 @@ bridge is the capture-time output itself, refreshed in place at every replay.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -44,6 +45,11 @@ def make_breakable_attention_forward(forward: _F) -> _F:
     Returns:
         The wrapped forward, to assign in its class (or pass to :func:`patch_attribute`).
     """
+    if not callable(forward):
+        raise TypeError(
+            "make_breakable_attention_forward takes an attention forward (a function taking the "
+            f"module first, e.g. MyAttention.forward), got {forward!r}"
+        )
     if getattr(forward, _ORIGINAL, None) is not None:
         return forward  # already adapted
     with _wrappers_lock:
@@ -117,8 +123,12 @@ def attention_method(cls: type) -> str:
             return "forward"
         if calls:
             return "__call__"
+    # Shared by install/is_installed/DiTRunner(attention_classes=...): name no one caller.
+    instance = callable(cls) and not inspect.isroutine(cls)  # a module or processor object
+    hint = "; pass its class (type(module)), not an instance" if instance else ""
     raise TypeError(
-        f"install_breakable_attention takes classes with a forward or __call__ method, got {cls!r}"
+        "expected attention classes with a forward or __call__ method (attention modules or "
+        f"diffusers processor classes), got {cls!r}{hint}"
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -30,15 +30,22 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
         ValueError: ``buckets`` is empty or holds a length that is no integer (a bool or a
             float is none; NumPy's and 0-dim integer tensors are) or below 1,
             ``length`` is below 1 (or NaN), or it exceeds the largest bucket (the message names it).
+        TypeError: ``buckets`` is not a collection, or ``length`` is not a number.
     """
     # A float (16.0) or bool bucket failed later inside F.pad with a TypeError naming neither.
     # Integers of another type (NumPy's, a 0-dim integer tensor) are lengths too: the
     # isinstance(int) check refused np.arange(64, 257, 64) as "not positive int lengths".
+    if not isinstance(buckets, Iterable):  # list() raised "'int' object is not iterable"
+        raise TypeError(f"buckets takes a collection of lengths, e.g. (64, 128), got {buckets!r}")
     given: list[Any] = list(buckets)
     ordered = sorted(_length(b, given) for b in given)
     if not ordered or ordered[0] < 1:
         raise ValueError(f"buckets must be positive int lengths, got {given}")
-    if not length >= 1:  # (not `length < 1`: a NaN length came back as the smallest bucket)
+    try:
+        counted = length >= 1  # (not `length < 1`: a NaN length came back as the smallest bucket)
+    except TypeError:  # "'>=' not supported between instances of 'str' and 'int'"
+        raise TypeError(f"length must be a number of tokens (an int), got {length!r}") from None
+    if not counted:
         # Padding it gives an all-False mask: attention over no key is NaN.
         raise ValueError(f"a prompt must hold at least one token, got length {length}")
     i = bisect.bisect_left(ordered, length)
@@ -78,7 +85,13 @@ def pad_prompt(
     Raises:
         ValueError: ``embeds`` is not 3-D, ``mask`` is not ``[B, L]``, ``L`` is 0, or no
             bucket holds ``L`` (see :func:`bucket_for`).
+        TypeError: ``embeds`` or ``mask`` is not a tensor, or ``buckets`` not a collection.
     """
+    if not isinstance(embeds, torch.Tensor) or not (mask is None or isinstance(mask, torch.Tensor)):
+        raise TypeError(
+            "pad_prompt takes tensors: embeds [batch, length, dim] and mask [batch, length] (or "
+            f"None), got {type(embeds).__name__} and {type(mask).__name__}"
+        )
     if embeds.dim() != 3:
         raise ValueError(f"embeds must be [batch, length, dim], got shape {tuple(embeds.shape)}")
     b, length, _ = embeds.shape

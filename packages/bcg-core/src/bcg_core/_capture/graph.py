@@ -310,7 +310,11 @@ class BreakableCUDAGraph:
         """
         with self._lock:
             if self._state is _State.CAPTURING:
-                raise ReplayError("reset() was called while this graph is being captured")
+                raise ReplayError(
+                    "reset() was called while this graph is being captured; call it after the "
+                    "capture's with block has exited (a failed capture leaves the graph ready "
+                    "for reset())"
+                )
             if self._replaying:
                 # The running replay would go on over dropped segments: torch's raw "replay
                 # without a preceding successful capture" on CUDA, silently on the CPU backend.

@@ -206,6 +206,7 @@ def enable_continuous_batching(
 
     Raises:
         ImportError: transformers is missing or not a supported version (5.17).
+        TypeError: ``model`` is not a transformers model (it has no ``config``).
         ValueError: the model's attention is another one (flash, flex), ``attention`` is
             unknown or ``"varlen"`` where torch has no ``varlen_attn``, ``capture_after`` is
             negative, or the model is on a device no graph backend captures (``"mps"``);
@@ -215,6 +216,11 @@ def enable_continuous_batching(
         is turned off (with a warning) for an enabled model's engines.
     """
     _check_transformers()
+    if getattr(model, "config", None) is None:  # else "the model's attention is None" misleads
+        raise TypeError(
+            "bcg_core.enable_continuous_batching takes a transformers model (a PreTrainedModel, "
+            f"e.g. AutoModelForCausalLM.from_pretrained(...)), got {type(model).__name__}"
+        )
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if implementation not in (*_ATTENTION, *(a.removeprefix(_PAGED) for a in _ATTENTION)):
         raise ValueError(

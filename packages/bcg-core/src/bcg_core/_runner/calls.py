@@ -9,6 +9,9 @@ from bcg_core import _trees
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
+CALLS_EXAMPLE = "(args, kwargs) pairs, e.g. [((x,), {}), ((y,), {'t': t})]"
+
+
 def check_call(index: int, call: Any) -> Call:
     """``call`` if it is an ``(args, kwargs)`` pair, else a TypeError naming item ``index``."""
     if (
@@ -17,10 +20,7 @@ def check_call(index: int, call: Any) -> Call:
         or not isinstance(call[0], tuple)
         or not isinstance(call[1], dict)
     ):
-        raise TypeError(
-            f"capture_many takes (args, kwargs) pairs, e.g. [((x,), {{}}), ((y,), {{'t': t}})]; "
-            f"item {index} is {_describe(call)}"
-        )
+        raise TypeError(f"capture_many takes {CALLS_EXAMPLE}; item {index} is {_describe(call)}")
     return call
 
 

@@ -30,7 +30,7 @@ from bcg_core._capture.opaque import _eager as _uncompiled
 from bcg_core._diagnostics.divergence import runner_divergence
 from bcg_core._diagnostics.divergence_report import DivergenceReport
 from bcg_core._errors import ConcurrentCaptureError, capture_refusal_hint
-from bcg_core._runner.calls import Call, call_bytes, call_shapes, check_call
+from bcg_core._runner.calls import CALLS_EXAMPLE, Call, call_bytes, call_shapes, check_call
 from bcg_core._runner.capture_entry import capture_entry
 from bcg_core._runner.entry import Entry
 from bcg_core._runner.misses import MissLog
@@ -199,7 +199,9 @@ class BreakableGraphRunner:
         capture_error_mode: str = "thread_local",
     ) -> None:
         if not callable(module):
-            raise TypeError(f"BreakableGraphRunner wraps a callable, got {module!r}")
+            raise TypeError(
+                f"{type(self).__name__} wraps a callable (a model or a step), got {module!r}"
+            )
         # Counts are ints (1.5 and True were taken; "2" failed a comparison with a raw error).
         for what, count in (
             ("max_entries", max_entries),
@@ -234,7 +236,13 @@ class BreakableGraphRunner:
                 "(runner.pool, or graph.pool())"
             )
         self.module = module
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:  # torch's own text names neither bcg nor a fix
+            raise ValueError(
+                f"BreakableGraphRunner's device must be a torch.device or a device string such "
+                f"as 'cuda', 'cuda:0' or 'cpu', got {device!r} ({str(e).splitlines()[0]})"
+            ) from None
         self.max_entries = max_entries
         self.max_segments = max_segments
         self.warmup_iters = warmup_iters
@@ -463,6 +471,8 @@ class BreakableGraphRunner:
         """
         if order not in ("largest_first", "given"):
             raise ValueError(f"order must be 'largest_first' or 'given', got {order!r}")
+        if not isinstance(calls, Iterable):
+            raise TypeError(f"capture_many takes a list of {CALLS_EXAMPLE}, got {calls!r}")
         checked = [check_call(i, c) for i, c in enumerate(calls)]
         if order == "largest_first":
             checked.sort(key=call_bytes, reverse=True)  # stable: ties keep the given order
