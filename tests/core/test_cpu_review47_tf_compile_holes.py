@@ -14,13 +14,8 @@ import bcg_core
 transformers = pytest.importorskip(
     "transformers", reason='transformers is not installed (pip install "bcg-core[transformers]")'
 )
+from test_cpu_transformers_families import SMALL  # noqa: E402
 from transformers import CONFIG_MAPPING  # noqa: E402
-
-SMALL: dict[str, Any] = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
-    "max_position_embeddings": 64,
-}  # fmt: skip
 
 
 def _llama() -> Any:
