@@ -174,8 +174,9 @@ class GraphBackend(Protocol):
         ...
 
     def note_graph_memory(self, pool: Any, tensors: Sequence[Any]) -> None:
-        """Tell the backend that ``tensors`` (a break's bridged outputs) are memory the capture
-        into ``pool`` writes at every replay, like a segment's own outputs."""
+        """Tell the backend that ``tensors`` (a break's bridged outputs, and the arguments it
+        wrote in place) are memory the capture into ``pool`` writes at every replay, like a
+        segment's own outputs."""
         ...
 
     def range_push(self, name: str) -> None:

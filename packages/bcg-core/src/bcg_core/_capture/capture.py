@@ -265,13 +265,11 @@ class CaptureState:
         fresh: FreshTensorTracker | None = None
         pooling = bool(self.backend.alias_device_types)
         debugging = self.debug is not DebugLevel.OFF
-        given = argument_tensors((args, kwargs)) if debugging else []
+        arguments = argument_tensors((args, kwargs))
         # The arguments it writes in place are graph memory, as its outputs are (the CPU
         # backend's 0-dim rule: a later segment's scalar[0] of a buffer the break fills is
         # re-read at replay, as on CUDA). Inference tensors keep no version: not noted.
-        versions = [
-            (t, t._version) for t in argument_tensors((args, kwargs)) if not t.is_inference()
-        ]
+        versions = [(t, t._version) for t in arguments if not t.is_inference()]
         layouts = argument_layouts((args, kwargs))
         refuse_iterators(name, args, kwargs)
         modes = current_modes()  # what the code around the break set up (autocast, inference)
@@ -336,7 +334,7 @@ class CaptureState:
                 "to have the output copied into a bridge buffer at every replay."
             )
         if fresh is not None and debugging:
-            report_leaks(name, fresh, output, given, strict=self.debug is DebugLevel.STRICT)
+            report_leaks(name, fresh, output, arguments, strict=self.debug is DebugLevel.STRICT)
         # The outputs nothing else holds are copied into the pool, so a bridge costs what a graph
         # intermediate costs (DESIGN.md, "Who may reuse a bridge's memory"); they are held by
         # alias, and the code after the break gets the owning copies, which keep their blocks
