@@ -196,7 +196,8 @@ def eager_on_graph(
 
                 # Alone, the graph break at graph_broken made fullgraph=True fail with dynamo's
                 # "function marked as skipped", hinting to trace into it; this one says why.
-                torch._dynamo.graph_break(msg="bcg: break " + break_name + _UNTRACEABLE + reason)
+                why = f"bcg: break {break_name}{opaque.UNTRACEABLE}{reason}"
+                torch._dynamo.graph_break(msg=why)
                 return graph_broken(*args, **kwargs)
             return run(*args, **kwargs)
 
@@ -320,11 +321,6 @@ def break_graph() -> None:
     else:
         _split()
 
-
-_UNTRACEABLE = (
-    " is a dynamo graph break here, not one opaque op, so fullgraph=True refuses it (without "
-    "fullgraph=True it stays a break, and the code around it compiles as separate graphs): "
-)
 
 _SPLIT_UNDER_COMPILE = (
     "bcg: break_graph() is a dynamo graph break under torch.compile (the split is no op the "

@@ -121,20 +121,18 @@ def _evaluate(expr: Any, layout: _Layout, flat: list[Any]) -> int | None:
     """A traced symbolic value (``expr``) for a run-time call's leaves ``flat``; None where
     it names a symbol the call's inputs do not give."""
     where = layout.symbols
-    if expr.is_Symbol:  # the common case (a dynamic size itself): no sympy substitution
-        if expr not in where:
-            return None
-        k, d = where[expr]
+
+    def value(sym: Any) -> int:
+        k, d = where[sym]
         return int(flat[k] if d is None else flat[k].shape[d])
+
+    if expr.is_Symbol:  # the common case (a dynamic size itself): no sympy substitution
+        return value(expr) if expr in where else None
     if not expr.free_symbols <= where.keys():
         return None
     import sympy  # type: ignore[import-untyped]
 
-    values = {
-        sym: sympy.Integer(flat[k] if d is None else flat[k].shape[d])
-        for sym, (k, d) in where.items()
-        if sym in expr.free_symbols
-    }
+    values = {sym: sympy.Integer(value(sym)) for sym in expr.free_symbols}
     try:
         return int(expr.xreplace(values))
     except (TypeError, ValueError):  # not a number after all: no check
@@ -247,13 +245,27 @@ def untraceable(function_id: int, args: tuple[Any, ...], kwargs: dict[str, Any])
             "decorate a function (or staticmethod) that takes only tensors, numbers, strings, "
             "dtypes and devices (in lists, tuples and dicts)"
         )
-    grad = torch.is_grad_enabled()
-    if grad and any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+    return grad_refusal(leaves)
+
+
+def grad_refusal(leaves: list[Any]) -> str | None:
+    """Why a call with these leaves cannot be one opaque op in grad mode, or None: grad mode
+    is on and a tensor among them requires grad, and the op has no backward."""
+    if torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in leaves
+    ):
         return (
             "a tensor argument requires grad and the op has no backward: call it under "
             "torch.no_grad() (autograd then runs through the eager break)"
         )
     return None
+
+
+# What a dynamo graph break's message says between the break's name and the reason.
+UNTRACEABLE = (
+    " is a dynamo graph break here, not one opaque op, so fullgraph=True refuses it (without "
+    "fullgraph=True it stays a break, and the code around it compiles as separate graphs): "
+)
 
 
 # Stands for ``None`` across the nonstrict call, whose inputs and outputs must be graph types
@@ -383,7 +395,7 @@ def _apply(
             # one was lost): raising makes dynamo run the frame again, where untraceable() sends
             # the call to the graph break with the caller's.
             raise RuntimeError(_broken[function_id])
-        out = _eager(_registered(function_id)[0], *call)
+        out = call_uncompiled(_registered(function_id)[0], *call)
         return _box(out), 0
     # A break passed into the compiled frame (an argument, a closure) has its id read from
     # there, which dynamic=True makes a SymInt: guarded to its value, as any number is here.
@@ -484,9 +496,10 @@ def _call(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     return function(*args, **kwargs)
 
 
-# ``function(*args, **kwargs)``, never traced: where dynamo meets it, a graph break. torch's
-# lazy form: ``torch._dynamo.disable`` at import would import dynamo (1.4 s) for every user.
-_eager = torch._disable_dynamo(_call)  # type: ignore[attr-defined]
+# ``function(*args, **kwargs)``, never traced: where dynamo meets it, a graph break (the runner
+# uses it too). torch's lazy form: ``torch._dynamo.disable`` at import would import dynamo
+# (1.4 s) for every user.
+call_uncompiled = torch._disable_dynamo(_call)  # type: ignore[attr-defined]
 
 
 def _refusal(

@@ -236,14 +236,15 @@ def _make_breakable(
     def breakable(module: Any, *args: Any, **kwargs: Any) -> Any:
         if not _is_compiling():
             return attention(module, *args, **kwargs)
-        if kernel_only and _requires_grad(args, kwargs):
+        grad = opaque.grad_refusal([*args, *kwargs.values()]) if kernel_only else None
+        if grad is not None:
             # The op has no backward (AOTAutograd failed the compile with the raw "Trying to
             # backward through bcg.opaque.default"): in grad mode the attention is a dynamo
             # graph break, as any break taking a tensor that requires grad, and autograd runs
             # through it eagerly.
             import torch._dynamo  # imported already: dynamo is tracing this
 
-            torch._dynamo.graph_break(msg=_GRAD_BREAK.format(name=name))
+            torch._dynamo.graph_break(msg=f"bcg: {name} attention{opaque.UNTRACEABLE}{grad}")
             return graph_broken(module, *args, **kwargs)
         if kernel_only:
             layer = (type(module).__name__, getattr(module, "layer_idx", -1))
@@ -254,21 +255,6 @@ def _make_breakable(
     breakable.__name__ = breakable.__qualname__ = f"{name}_attention_forward"
     breakable.__doc__ = f"{getattr(function, '__name__', function)}, as a bcg break point."
     return breakable
-
-
-_GRAD_BREAK = (
-    "bcg: {name} attention is a dynamo graph break here, not one opaque op, so fullgraph=True "
-    "refuses it: grad mode is on and its query, key or value requires grad, and the op has no "
-    "backward; compile and run the step under torch.no_grad() (or torch.inference_mode())"
-)
-
-
-def _requires_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether grad mode is on and a tensor the attention takes requires grad."""
-    if not torch.is_grad_enabled():
-        return False
-    values = (*args, *kwargs.values())
-    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in values)
 
 
 class _SdpaAsOpaqueOp(TorchFunctionMode):

@@ -26,7 +26,7 @@ from bcg_core._capture.flag import (
 )
 from bcg_core._capture.graph import BreakableCUDAGraph
 from bcg_core._capture.modes import autocast_state
-from bcg_core._capture.opaque import _eager as _uncompiled
+from bcg_core._capture.opaque import call_uncompiled
 from bcg_core._diagnostics.divergence import runner_divergence
 from bcg_core._diagnostics.divergence_report import DivergenceReport
 from bcg_core._errors import ConcurrentCaptureError, capture_refusal_hint
@@ -333,7 +333,7 @@ class BreakableGraphRunner:
             # forward calls the runner): a graph break, and the runner runs uncompiled. Traced,
             # its lock broke the frame and dynamo compiled the step's frames under it, so every
             # capture failed ("attempted to set_stance in a torch.compile region").
-            return _uncompiled(self.__call__, args, kwargs)
+            return call_uncompiled(self.__call__, args, kwargs)
         with self._lock:
             # serves_eagerly, tested here, not through the property: each frame before the
             # launch delays the replay.
@@ -431,7 +431,7 @@ class BreakableGraphRunner:
             argument the step returns is the caller's tensor).
         """
         if _is_compiling():  # as in __call__: a graph break where torch.compile traces it
-            return _uncompiled(self.capture, args, kwargs)
+            return call_uncompiled(self.capture, args, kwargs)
         with self.warmup():
             return self(*args, **kwargs)
 
