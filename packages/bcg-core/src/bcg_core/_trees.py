@@ -493,13 +493,16 @@ def hidden_leaves(leaf: Any) -> list[Any] | None:
     return found
 
 
+def hides_tensors(leaf: Any) -> bool:
+    """Whether a leaf's :func:`hidden_leaves` hold a tensor: one ``map_tensors`` cannot reach
+    (a runner's clone of its output, or a bridge, left it the static one)."""
+    return any(isinstance(x, torch.Tensor) for x in hidden_leaves(leaf) or ())
+
+
 def hidden_tensor_holder(obj: Any) -> str | None:
-    """The type name of the first leaf of ``obj`` whose :func:`hidden_leaves` hold a tensor, or
-    None. ``map_tensors`` cannot reach those tensors (a runner's clone of its output left them
-    the static output)."""
+    """The type name of the first leaf of ``obj`` that :func:`hides_tensors`, or None."""
     for leaf in flatten(obj)[0]:
-        held = hidden_leaves(leaf)
-        if held and any(isinstance(x, torch.Tensor) for x in held):
+        if hides_tensors(leaf):
             return type(leaf).__qualname__
     return None
 

@@ -177,8 +177,7 @@ class Bridge:
         path (reading its address raised torch's raw internal error), at capture and at
         replay (``leaves`` and ``spec`` of the output then)."""
         for path, x in zip(_trees.key_paths(spec, "output"), leaves, strict=True):
-            held = _trees.hidden_leaves(x)
-            if held and any(isinstance(h, torch.Tensor) for h in held):
+            if _trees.hides_tensors(x):
                 # Tensors the walk does not reach are not bridged: the code after the break
                 # read the capture's ones at every replay (a list subclass: silently stale).
                 raise BreakOutputError(
