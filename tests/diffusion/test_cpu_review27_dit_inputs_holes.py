@@ -13,29 +13,7 @@ from bcg_diffusion import DiTRunner, make_attention_ops_breakable
 diffusers = pytest.importorskip(
     "diffusers", reason='diffusers is not installed (pip install "bcg-diffusion[diffusers]")'
 )
-
-
-def _flux() -> torch.nn.Module:
-    torch.manual_seed(0)
-    model: torch.nn.Module = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-        axes_dims_rope=(4, 6, 6),
-    ).eval()  # fmt: skip
-    return model
-
-
-def _flux_inputs(seed: int, **extra: Any) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "hidden_states": torch.randn(1, 16, 4, generator=gen),
-        "encoder_hidden_states": torch.randn(1, 8, 32, generator=gen),
-        "pooled_projections": torch.randn(1, 32, generator=gen),
-        "timestep": torch.rand(1, generator=gen),
-        "img_ids": torch.randn(16, 3, generator=gen),
-        "txt_ids": torch.zeros(8, 3),
-        **extra,
-    }
+from test_cpu_review43_dit_holes import flux_in, tiny_flux  # noqa: E402
 
 
 def _set_ip_adapter(model: torch.nn.Module) -> list[Any]:
@@ -63,7 +41,7 @@ def test_processors_set_after_the_handle_was_made_are_patched_at_capture() -> No
     processors the model gained since, and releases them on close()."""
     from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 
-    model = _flux()
+    model = tiny_flux(1)
     handle = make_attention_ops_breakable(model)
     processors = _set_ip_adapter(model)
     original = vars(FluxIPAdapterAttnProcessor)["__call__"]
@@ -71,12 +49,12 @@ def test_processors_set_after_the_handle_was_made_are_patched_at_capture() -> No
     runner = DiTRunner(model, breakable_attention=handle, device="cpu")
     try:
         with torch.no_grad():
-            runner.capture(**_flux_inputs(0, joint_attention_kwargs=ip))
+            runner.capture(**flux_in(0), joint_attention_kwargs=ip)
             for step, scale in enumerate((1.0, 0.0, 5.0), start=1):
                 for proc in processors:
                     proc.scale = [scale]
-                got = runner(**_flux_inputs(step, joint_attention_kwargs=ip)).sample
-                expected = model(**_flux_inputs(step, joint_attention_kwargs=ip)).sample
+                got = runner(**flux_in(step), joint_attention_kwargs=ip).sample
+                expected = model(**flux_in(step), joint_attention_kwargs=ip).sample
                 assert torch.equal(got, expected), f"scale {scale} replayed stale"
             assert runner.stats.hits == 3
     finally:

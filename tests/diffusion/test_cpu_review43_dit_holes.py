@@ -16,13 +16,12 @@ diffusers = pytest.importorskip(
 
 
 def tiny_flux(num_layers: int = 2) -> torch.nn.Module:
-    """A tiny Flux (random weights) in eval mode; shared by this session's DiT hole tests."""
+    """A tiny Flux (random weights) in eval mode; shared by the DiT hole tests."""
     torch.manual_seed(0)
     model: torch.nn.Module = diffusers.FluxTransformer2DModel(
         patch_size=1, in_channels=4, num_layers=num_layers, num_single_layers=1,
         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=(4, 6, 6),
+        pooled_projection_dim=32, axes_dims_rope=(4, 6, 6),
     ).eval()  # fmt: skip
     return model
 
